@@ -1,0 +1,440 @@
+#!/usr/bin/env python
+"""Pretrain a ResNet with SCE (or its baselines MoCo v2 and ReSSL).
+
+    torchrun --nproc_per_node=8 main_pretrain.py --data /datasets/imagenet/train --lambda 0.5 --tau-m 0.07
+    python main_pretrain.py        # no flags: a few-minute demo on scikit-learn's digits, on CPU
+
+Defaults are the paper's ImageNet recipe against the baselines (SPEC section 4); RECIPES.md has
+the command of every setting of the paper.
+"""
+import argparse
+import functools
+import math
+import os
+import random
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from sce import UserError, checkpoint, losses
+from sce import distributed as du
+from sce.builder import ARCHS, SCE, momentum_at
+from sce.knn import knn_accuracy
+from sce.loader import (AUGMENTATIONS, DATASETS, PretrainDataset, ResumableSampler, build_dataset,
+                        digits_imagefolder, eval_transform, pretrain_transform)
+from sce.optim import build_optimizer, cosine_lr, set_lr
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
+
+# method -> (loss, tau, tau_m, online aug, target aug); a flag given on the command line wins
+METHODS = {
+    "sce": ("sce", 0.1, 0.07, "strong", "weak"),
+    "moco": ("infonce", 0.2, None, "strong", "strong"),  # MoCo v2: InfoNCE, same strong views
+    "ressl": ("ressl", 0.1, 0.04, "strong", "weak"),  # ReSSL's best ImageNet temperatures
+}
+
+# `python main_pretrain.py` with no --data: the embedded demo (digits, 16 px, a few minutes on 2 cores)
+DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=12, batch_size=64, queue_size=1024,
+            lr=0.06, weight_decay=5e-4, warmup_epochs=1, ema_momentum=0.99, ema_schedule="constant",
+            proj_hidden_dims=[512], proj_dim=128, proj_last_bn="none", workers=2,
+            output_dir=os.path.join("runs", "demo"), knn_every=0)
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+g = parser.add_argument_group("data")
+g.add_argument("--data", metavar="DIR", help="dataset root; omitted: run the embedded digits demo")
+g.add_argument("--dataset", default="imagefolder", choices=DATASETS,
+               help="format of --data (default: imagefolder, DIR/train used when present)")
+g.add_argument("--class-list", help="class-id file for --dataset imagenet100 (default: the paper's 100 classes)")
+g.add_argument("--workers", type=int, default=8, help="data-loading processes per rank (default: 8)")
+g.add_argument("--crop-size", type=int, default=224, help="global view size in pixels (default: 224)")
+g.add_argument("--min-scale", type=float, default=0.2, help="random resized crop min scale of global views (default: 0.2)")
+g.add_argument("--online-aug", choices=list(AUGMENTATIONS), help="augmentation of online view 1 (default: per method, strong)")
+g.add_argument("--target-aug", choices=list(AUGMENTATIONS), help="augmentation of target view 0 (default: per method: weak for sce/ressl, strong for moco)")
+g.add_argument("--local-aug", default="strong-gamma", choices=list(AUGMENTATIONS), help="augmentation of local crops (default: strong-gamma)")
+g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], help="multi-crop sizes, e.g. 192 160 128 96 (default: none)")
+g.add_argument("--local-crop-scales", type=float, nargs="*", default=[],
+               help="min max scale per local crop, e.g. 0.172 0.86 0.143 0.715 0.114 0.571 0.086 0.429")
+g.add_argument("--max-bad-images", type=int, default=-1,
+               help="unreadable images tolerated before stopping (default: -1 = 0.1%% of the dataset)")
+g = parser.add_argument_group("model")
+g.add_argument("--arch", default="resnet50", help=f"torchvision ResNet: {', '.join(ARCHS)} (default: resnet50)")
+g.add_argument("--small-input", action="store_true", help="3x3 stride-1 conv1 and no max-pool, for 32-96 px images")
+g.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], help="projector hidden widths (default: 2048 2048)")
+g.add_argument("--proj-dim", type=int, default=256, help="projector output dim (default: 256)")
+g.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
+               help="BN after the projector's last layer (default: affine; MoCo v3: no-affine)")
+g.add_argument("--pred-hidden-dims", type=int, nargs="*", default=[],
+               help="predictor hidden widths, e.g. 4096 (default: none = no predictor)")
+g.add_argument("--sync-bn", action="store_true", help="synchronise BN statistics across ranks")
+g.add_argument("--shuffle-bn", action="store_true", help="MoCo shuffle-BN for the momentum branch")
+g.add_argument("--bn-splits", type=int, default=2, help="simulated ranks of --shuffle-bn on one process (default: 2)")
+g = parser.add_argument_group("objective")
+g.add_argument("--method", default="sce", choices=list(METHODS), help="sce, or the baselines moco (v2) / ressl (default: sce)")
+g.add_argument("--lambda", dest="lambda_", type=float, default=0.5, help="weight of the one-hot target, eq. 7 (default: 0.5)")
+g.add_argument("--tau", type=float, help="online temperature (default: 0.1; moco 0.2)")
+g.add_argument("--tau-m", type=float, help="target temperature (default: 0.07; ressl 0.04)")
+g.add_argument("--mask-positive", action="store_true",
+               help="eq. 3 strictly: the positive gets target weight 0 (default: the published constant 0 logit)")
+g.add_argument("--loss-coeffs", type=float, nargs=3, metavar=("LAMBDA", "MU", "ETA"),
+               help="optimise eq. 10 with free coefficients (Table 3) instead of eq. 9")
+g.add_argument("--queue-size", type=int, default=65536, help="memory buffer size M (default: 65536)")
+g.add_argument("--symmetric", action="store_true", help="symmetrised loss: both global views serve as targets")
+g.add_argument("--ema-momentum", type=float, default=0.996, help="momentum-encoder EMA start value m0 (default: 0.996)")
+g.add_argument("--ema-schedule", default="cosine", choices=["cosine", "constant"], help="m0 -> 1 cosine, or constant (default: cosine)")
+g = parser.add_argument_group("optimisation")
+g.add_argument("--epochs", type=int, default=200, help="(default: 200)")
+g.add_argument("--batch-size", type=int, default=512, help="global batch over all ranks (default: 512)")
+g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="(default: sgd)")
+g.add_argument("--lr", type=float, default=0.5, help="base lr, scaled by batch/256 (default: 0.5)")
+g.add_argument("--weight-decay", type=float, default=1e-4, help="(default: 1e-4)")
+g.add_argument("--sgd-momentum", type=float, default=0.9, help="(default: 0.9)")
+g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup before the cosine decay (default: 5)")
+g = parser.add_argument_group("runtime")
+g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="mixed precision (default: none)")
+g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
+g.add_argument("--seed", type=int, default=0, help="(default: 0)")
+g.add_argument("--output-dir", default=os.path.join("runs", "sce"), help="checkpoints and TensorBoard logs (default: runs/sce)")
+g.add_argument("--resume", default="auto", help="auto: continue from OUTPUT_DIR/checkpoint_last.pth if present; "
+               "a path; or none to start fresh (default: auto)")
+g.add_argument("--save-freq", type=int, default=10, help="also keep checkpoint_NNNN.pth every N epochs (default: 10)")
+g.add_argument("--keep-checkpoints", type=int, default=0, help="numbered checkpoints kept, 0 = all (default: 0)")
+g.add_argument("--stop-after-epochs", type=int, default=0,
+               help="end this invocation after N completed epochs, the schedule still follows --epochs (default: 0 = off)")
+g.add_argument("--print-freq", type=int, default=20, help="progress line every N steps (default: 20)")
+g.add_argument("--max-nonfinite-steps", type=int, default=20, help="stop after N consecutive non-finite losses (default: 20)")
+g.add_argument("--dist-timeout", type=int, default=1800, help="collective timeout in seconds (default: 1800)")
+g.add_argument("--knn-data", metavar="DIR", help="ImageFolder with train/ and val/ for the kNN monitor")
+g.add_argument("--knn-every", type=int, default=1, help="kNN monitor every N epochs (default: 1)")
+g.add_argument("--knn-k", type=int, default=200, help="(default: 200)")
+g.add_argument("--knn-t", type=float, default=0.07, help="(default: 0.07)")
+
+
+def parse_args(argv=None):
+    args = parser.parse_args(argv)
+    if args.data is None:  # embedded demo: its own defaults, flags given still win
+        parser.set_defaults(**DEMO)
+        args = parser.parse_args(argv)
+        args.demo = True
+        args.data = digits_imagefolder(os.path.join(os.path.expanduser("~"), ".cache", "sce", "digits"))
+        args.knn_data = args.knn_data or args.data
+    else:
+        args.demo = False
+    loss, tau, tau_m, online_aug, target_aug = METHODS[args.method]
+    args.loss = "combined" if args.loss_coeffs else loss
+    args.tau = tau if args.tau is None else args.tau
+    args.tau_m = (tau_m or 0.07) if args.tau_m is None else args.tau_m
+    args.online_aug = args.online_aug or online_aug
+    args.target_aug = args.target_aug or target_aug
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Impossible settings stop before anything is built."""
+    if args.arch not in ARCHS:
+        raise UserError(f"unknown arch '{args.arch}': use one of {', '.join(ARCHS)}")
+    if args.tau <= 0 or args.tau_m <= 0:
+        raise UserError(f"temperatures must be positive (got --tau {args.tau}, --tau-m {args.tau_m})")
+    if not 0 <= args.lambda_ <= 1:
+        raise UserError(f"--lambda must lie in [0, 1] (got {args.lambda_})")
+    if len(args.local_crop_scales) != 2 * len(args.local_crop_sizes):
+        raise UserError("--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry")
+    if args.batch_size <= 0 or args.epochs <= 0 or args.queue_size <= 0:
+        raise UserError("--batch-size, --epochs and --queue-size must be positive")
+
+
+def build_criterion(args):
+    if args.loss == "combined":
+        lam, mu, eta = args.loss_coeffs
+        return functools.partial(losses.combined_loss, lambda_=lam, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
+    if args.loss == "infonce":
+        return functools.partial(losses.infonce_loss, tau=args.tau)
+    if args.loss == "ressl":
+        return functools.partial(losses.ressl_loss, tau=args.tau, tau_m=args.tau_m)
+    return functools.partial(losses.sce_loss, lambda_=args.lambda_, tau=args.tau, tau_m=args.tau_m,
+                             mask_positive=args.mask_positive)
+
+
+# settings a resumed run must share with its checkpoint
+RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn",
+                     "pred_hidden_dims", "queue_size", "symmetric"]
+
+
+def find_resume(args):
+    last = os.path.join(args.output_dir, "checkpoint_last.pth")
+    if args.resume == "none":
+        if os.path.exists(last):
+            raise UserError(f"{last} exists and --resume none would overwrite it: use --resume auto "
+                            "or another --output-dir")
+        return None
+    if args.resume == "auto":
+        return last if os.path.exists(last) else None
+    return args.resume
+
+
+def prepare_output_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of its step and exit."""
+
+    def __init__(self, world_size):
+        self.flag = torch.zeros(1)
+        # a CPU (gloo) group agrees on the flag each step without syncing the GPU stream
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.flag.fill_(1)
+
+    def requested(self):
+        if self.group is None:
+            return bool(self.flag.item())
+        flag = self.flag.clone()
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item())
+
+
+def state_dict(model, optimizer, scaler, args, epoch, step_in_epoch, global_step):
+    return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
+            "args": vars(args), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler else None,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world_size, local_rank, device = du.init(timeout_s=args.dist_timeout)
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: "
+                        f"use a multiple of {world_size}")
+    keys_per_step = args.batch_size * (2 if args.symmetric else 1)
+    if args.queue_size % keys_per_step:
+        raise UserError(f"--queue-size {args.queue_size} is not a multiple of the {keys_per_step} keys "
+                        f"enqueued per step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
+    if args.sync_bn and world_size > 1 and device.type != "cuda":
+        raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
+    if rank == 0:
+        prepare_output_dir(args.output_dir)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    dataset = build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list)
+    if len(dataset) < args.batch_size:
+        raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
+                        "lower --batch-size")
+    max_bad = args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000)
+    sampler = ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
+    loader = torch.utils.data.DataLoader(
+        PretrainDataset(dataset, pretrain_transform(args), args.seed), batch_size=args.batch_size // world_size,
+        sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True)
+    steps_per_epoch, total_steps = sampler.steps, sampler.steps * args.epochs
+
+    model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
+                args.proj_last_bn, args.pred_hidden_dims, args.queue_size, args.symmetric, args.shuffle_bn,
+                args.bn_splits, args.sync_bn and world_size > 1).to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    knn_sets = build_knn_sets(args) if args.knn_data and rank == 0 else None
+    if args.demo and rank == 0:
+        args.untrained_knn = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)[0]
+    base_lr = args.lr * args.batch_size / 256
+    optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum)
+    scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
+
+    start_epoch, start_step = 0, 0
+    resume = find_resume(args)
+    if resume:
+        ckpt = checkpoint.load(resume)
+        if ckpt.get("kind") != "pretrain":
+            raise UserError(f"{resume} is not a main_pretrain.py checkpoint")
+        saved = ckpt["args"]
+        for key in RESUME_MUST_MATCH:
+            if saved.get(key) != getattr(args, key):
+                raise UserError(f"{resume} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
+                                f"not {getattr(args, key)}: pass the same value or another --output-dir")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scaler and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        random.setstate(ckpt["rng"]["python"])
+        if torch.cuda.is_available() and len(ckpt["rng"]["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        start_epoch, start_step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
+        if rank == 0:
+            print(f"=> resuming from {resume}: epoch {start_epoch}, step {start_step} of the epoch", flush=True)
+
+    ddp_model = model
+    if world_size > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    writer = None
+    if rank == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(args.output_dir)
+        except ImportError:
+            print("tensorboard is not installed: no TensorBoard scalars", flush=True)
+    preemption = Preemption(world_size)
+    if rank == 0:
+        print(f"=> {args.method} on {len(dataset)} images, {steps_per_epoch} steps/epoch, "
+              f"batch {args.batch_size} on {world_size} rank(s), lr {base_lr:.4g}", flush=True)
+
+    run = dict(args=args, model=model, ddp_model=ddp_model, optimizer=optimizer, scaler=scaler, loader=loader,
+               sampler=sampler, device=device, writer=writer, preemption=preemption, base_lr=base_lr,
+               steps_per_epoch=steps_per_epoch, total_steps=total_steps, max_bad=max_bad, bad_seen={})
+    epochs_done_here = 0
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch, start_step)
+        stopped_at = train_one_epoch(epoch, start_step, **run)
+        if stopped_at is not None:  # preempted mid-epoch: save the exact position and leave
+            if rank == 0:
+                checkpoint.save(state_dict(model, optimizer, scaler, args, epoch, stopped_at,
+                                           epoch * steps_per_epoch + stopped_at), args.output_dir)
+                print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; "
+                      f"exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
+            du.barrier()
+            du.cleanup()
+            sys.exit(PREEMPTED_EXIT_CODE)
+        start_step = 0
+        epochs_done_here += 1
+        if rank == 0:
+            done = epoch + 1
+            checkpoint.save(state_dict(model, optimizer, scaler, args, done, 0, done * steps_per_epoch),
+                            args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
+                            keep=args.keep_checkpoints)
+            if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
+                top1, top5 = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)
+                print(f"=> epoch {done}: kNN top-1 {top1:.2f} top-5 {top5:.2f}", flush=True)
+                if writer:
+                    writer.add_scalar("knn/top1", top1, done)
+                    writer.add_scalar("knn/top5", top5, done)
+        du.barrier()
+        if preemption.requested() and epoch + 1 < args.epochs:
+            if rank == 0:
+                print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
+            du.cleanup()
+            sys.exit(PREEMPTED_EXIT_CODE)
+        if args.stop_after_epochs and epochs_done_here >= args.stop_after_epochs and epoch + 1 < args.epochs:
+            if rank == 0:
+                print(f"=> stopping after {epochs_done_here} epoch(s) as asked; resume to continue", flush=True)
+            break
+    if args.demo and rank == 0:
+        top1 = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)[0]
+        print(f"kNN top-1: {top1:.1f}% (untrained: {args.untrained_knn:.1f}%)", flush=True)
+    if writer:
+        writer.close()
+    du.cleanup()
+
+
+def build_knn_sets(args):
+    """(train loader, val loader, number of classes) of the kNN monitor, without augmentation."""
+    small = args.small_input
+    train = build_dataset("imagefolder", args.knn_data, "train", eval_transform(False, args.crop_size, small))
+    val = build_dataset("imagefolder", args.knn_data, "val", eval_transform(False, args.crop_size, small))
+    make = functools.partial(torch.utils.data.DataLoader, batch_size=256, num_workers=min(args.workers, 4))
+    return make(train), make(val), len(train.classes)
+
+
+def train_one_epoch(epoch, start_step, args, model, ddp_model, optimizer, scaler, loader, sampler, device,
+                    writer, preemption, base_lr, steps_per_epoch, total_steps, max_bad, bad_seen):
+    """One epoch from `start_step`; returns the step to resume from if preempted, else None."""
+    ddp_model.train()
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss_sum = torch.zeros((), device=device)
+    nonfinite = torch.zeros((), device=device)  # consecutive non-finite steps, counted on device
+    window_start, window_steps = time.time(), 0
+    for i, (views, bad, reasons) in enumerate(loader, start=start_step):
+        step = epoch * steps_per_epoch + i
+        lr = cosine_lr(step, total_steps, base_lr, round(args.warmup_epochs * steps_per_epoch))
+        set_lr(optimizer, lr)
+        m = momentum_at(step, total_steps, args.ema_momentum, args.ema_schedule)
+        note_bad_images(bad, reasons, sampler, loader.dataset, bad_seen, max_bad)
+        views = [v.to(device, non_blocking=True) for v in views]
+        if args.channels_last:
+            views = [v.to(memory_format=torch.channels_last) for v in views]
+
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss, (q, k, queue) = ddp_model(views)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler:  # fp16: the scaler skips steps with inf/nan gradients
+            scaler.scale(loss).backward()
+            finite = torch.isfinite(loss.detach())
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            # gradients are averaged over ranks, so a non-finite loss anywhere shows in every rank's
+            # gradient norm; such a step gets zero gradients, decided on the device (no host sync)
+            grads = [p.grad for p in params if p.grad is not None]
+            finite = torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+            for grad in grads:
+                grad.copy_(torch.where(finite, grad, torch.zeros((), device=device)))
+            optimizer.step()
+        model.update_momentum(m)
+        nonfinite = torch.where(finite, torch.zeros_like(nonfinite), nonfinite + 1)
+        loss_sum += torch.where(finite, loss.detach().float(), torch.zeros((), device=device))
+        window_steps += 1
+
+        if (i + 1) % args.print_freq == 0 or i + 1 == steps_per_epoch:
+            if nonfinite.item() > args.max_nonfinite_steps:
+                raise UserError(f"{int(nonfinite.item())} consecutive non-finite losses at step {step}: the lr "
+                                f"({lr:.3g}) is likely too high{' or fp16 overflows (try --amp bf16)' if args.amp == 'fp16' else ''}; "
+                                "the last good checkpoint is kept")
+            elapsed = time.time() - window_start
+            img_s = window_steps * args.batch_size / max(elapsed, 1e-9)
+            eta = (total_steps - step - 1) * elapsed / window_steps
+            mean_loss = loss_sum.item() / window_steps
+            if du.is_main():
+                print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps_per_epoch}] loss {mean_loss:.4f} "
+                      f"lr {lr:.4g} m {m:.5f} {img_s:.1f} img/s eta {format_eta(eta)}", flush=True)
+                if writer:
+                    terms = losses.loss_terms(q, k, queue, args.tau, args.tau_m)
+                    for name, value in [("loss", mean_loss), ("lr", lr), ("momentum", m), ("images_per_s", img_s)]:
+                        writer.add_scalar(f"train/{name}", value, step)
+                    for name, value in terms.items():
+                        writer.add_scalar(f"terms/{name}", value.item(), step)
+            loss_sum.zero_()
+            window_start, window_steps = time.time(), 0
+        if preemption.requested() and i + 1 < steps_per_epoch:
+            return i + 1
+    return None
+
+
+def note_bad_images(bad, reasons, sampler, dataset, bad_seen, max_bad):
+    """Log each unreadable image once (it was replaced by a readable one) and stop past max_bad."""
+    if bool((bad >= 0).any()):
+        for index, reason in zip(bad.tolist(), reasons):
+            if index >= 0 and index not in bad_seen:
+                bad_seen[index] = reason
+                path = dataset.dataset.path(index) if hasattr(dataset.dataset, "path") else f"#{index}"
+                print(f"warning: skipping unreadable image {path} ({reason})", flush=True)
+        if len(bad_seen) > max_bad:
+            raise UserError(f"{len(bad_seen)} unreadable images, more than --max-bad-images {max_bad}: "
+                            "fix or remove them (see the warnings above)")
+
+
+def format_eta(seconds):
+    seconds = int(seconds) if math.isfinite(seconds) else 0
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")

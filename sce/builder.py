@@ -1,0 +1,145 @@
+"""The SCE model: online and momentum ResNet + heads, the queue, and the per-view losses."""
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+from sce import distributed as du
+
+ARCHS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
+         "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2"]
+
+
+def build_trunk(arch, small_input=False):
+    """A torchvision ResNet without its fc layer; returns (trunk, feature dim).
+
+    small_input: conv1 3x3 stride 1 and no max-pool, for 32-96 px images (paper, supp.).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch '{arch}': use one of {', '.join(ARCHS)}")
+    trunk = getattr(torchvision.models, arch)(weights=None)
+    feat_dim = trunk.fc.in_features
+    trunk.fc = nn.Identity()
+    if small_input:
+        trunk.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        trunk.maxpool = nn.Identity()
+    return trunk, feat_dim
+
+
+def build_mlp(in_dim, hidden_dims, out_dim, last_bn="none"):
+    """Linear-BN-ReLU for each hidden layer, then Linear (+ BN when last_bn is 'affine' or
+    'no-affine'; MoCo v3's projector uses an affine-free last BN)."""
+    layers, dim = [], in_dim
+    for hidden in hidden_dims:
+        layers += [nn.Linear(dim, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True)]
+        dim = hidden
+    layers.append(nn.Linear(dim, out_dim, bias=last_bn == "none"))
+    if last_bn != "none":
+        layers.append(nn.BatchNorm1d(out_dim, affine=last_bn == "affine"))
+    return nn.Sequential(*layers)
+
+
+def momentum_at(step, total_steps, m0, schedule="cosine"):
+    """EMA momentum: constant m0, or a cosine from m0 at step 0 to 1 at the last step."""
+    if schedule == "constant" or total_steps <= 0:
+        return m0
+    return 1 - (1 - m0) * (math.cos(math.pi * step / total_steps) + 1) / 2
+
+
+class SCE(nn.Module):
+    """Siamese momentum model shared by SCE, MoCo v2 and ReSSL (they differ by `criterion`).
+
+    views[0], views[1] are the global views (view 0 the target view of the asymmetric loss),
+    views[2:] local crops. Asymmetric: view 0 is the only target, every other view a query.
+    Symmetric: each global view is a target for every other view; locals are only queries.
+    """
+
+    def __init__(self, criterion, arch="resnet50", small_input=False, proj_hidden_dims=(2048, 2048),
+                 proj_dim=256, proj_last_bn="affine", pred_hidden_dims=(), queue_size=65536,
+                 symmetric=False, shuffle_bn=False, bn_splits=2, sync_bn=False):
+        super().__init__()
+        self.criterion = criterion
+        self.symmetric = symmetric
+        self.shuffle_bn = shuffle_bn
+        self.bn_splits = bn_splits
+        self.encoder, feat_dim = build_trunk(arch, small_input)
+        self.projector = build_mlp(feat_dim, proj_hidden_dims, proj_dim, proj_last_bn)
+        self.predictor = (build_mlp(proj_dim, pred_hidden_dims, proj_dim) if pred_hidden_dims
+                          else nn.Identity())
+        if sync_bn:
+            self.encoder = nn.SyncBatchNorm.convert_sync_batchnorm(self.encoder)
+            self.projector = nn.SyncBatchNorm.convert_sync_batchnorm(self.projector)
+            self.predictor = nn.SyncBatchNorm.convert_sync_batchnorm(self.predictor)
+        # the momentum branch starts as an exact copy and only moves by EMA
+        self.momentum_encoder = copy.deepcopy(self.encoder)
+        self.momentum_projector = copy.deepcopy(self.projector)
+        for p in self.momentum_parameters():
+            p.requires_grad = False
+        self.register_buffer("queue", F.normalize(torch.randn(queue_size, proj_dim), dim=1))
+        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
+
+    def online_parameters(self):
+        return list(self.encoder.parameters()) + list(self.projector.parameters())
+
+    def momentum_parameters(self):
+        return list(self.momentum_encoder.parameters()) + list(self.momentum_projector.parameters())
+
+    @torch.no_grad()
+    def update_momentum(self, m):
+        """EMA of the online trunk + projector into the momentum ones (after each optimizer step)."""
+        online, target = self.online_parameters(), self.momentum_parameters()
+        torch._foreach_mul_(target, m)
+        torch._foreach_add_(target, online, alpha=1 - m)
+
+    @torch.no_grad()
+    def enqueue(self, keys):
+        """FIFO update with the keys of every rank; the queue is identical on all ranks."""
+        keys = du.all_gather(keys)
+        size = self.queue.shape[0]
+        if size % keys.shape[0]:
+            raise ValueError(f"queue size {size} is not a multiple of the {keys.shape[0]} keys "
+                             "enqueued per step")
+        ptr = int(self.queue_ptr)
+        self.queue[ptr:ptr + keys.shape[0]] = keys
+        self.queue_ptr.fill_((ptr + keys.shape[0]) % size)
+
+    def online(self, x):
+        return F.normalize(self.predictor(self.projector(self.encoder(x))).float(), dim=1)
+
+    @torch.no_grad()
+    def target(self, x):
+        if not self.shuffle_bn:
+            return self._momentum(x)
+        # shuffle-BN (MoCo): BN statistics of the keys come from a random subset of the global
+        # batch; on one process the subsets are simulated by bn_splits chunks
+        x_all = du.all_gather(x)
+        perm = du.broadcast(torch.randperm(len(x_all), device=x.device))
+        world, rank = du.world_size(), du.rank()
+        if world > 1:
+            out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))
+        else:
+            out = torch.cat([self._momentum(c) for c in x_all[perm].chunk(self.bn_splits)])
+        return out[torch.argsort(perm)].chunk(world)[rank]
+
+    def _momentum(self, x):
+        return F.normalize(self.momentum_projector(self.momentum_encoder(x)).float(), dim=1)
+
+    def pairs(self, num_views):
+        """(target view, query view) pairs the loss averages over."""
+        targets = [0, 1] if self.symmetric else [0]
+        return [(t, v) for t in targets for v in range(num_views) if v != t]
+
+    def forward(self, views):
+        pairs = self.pairs(len(views))
+        targets = sorted({t for t, _ in pairs})
+        keys = {t: self.target(views[t]) for t in targets}
+        queries = {v: self.online(views[v]) for v in sorted({v for _, v in pairs})}
+        # every term of the step uses the queue from before this step's keys
+        queue = self.queue.clone().detach()
+        loss = sum(self.criterion(queries[v], keys[t], queue) for t, v in pairs) / len(pairs)
+        self.enqueue(torch.cat([keys[t] for t in targets]))
+        t, v = pairs[0]
+        return loss, (queries[v].detach(), keys[t], queue)

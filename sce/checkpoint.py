@@ -1,0 +1,124 @@
+"""Checkpoints: atomic writes, keep-last-K, safe loading, and trunk extraction for evaluation.
+
+A main_pretrain.py checkpoint is a dict with kind "pretrain", epoch (completed epochs), step
+(completed optimizer steps), args (dict), model (SCE state dict: encoder.*, projector.*,
+predictor.*, momentum_encoder.*, momentum_projector.*, queue, queue_ptr), optimizer, scaler and
+the RNG/data position needed to continue. main_lincls.py writes kind "lincls" with a
+torchvision-style model (conv1..., layerN..., fc.*). A plain torchvision state dict is accepted
+wherever a trunk is read.
+"""
+import glob
+import os
+import re
+
+import torch
+
+from sce import UserError
+from sce.builder import build_trunk
+
+
+def save_atomic(obj, path):
+    """Write to a temporary file in the same folder, fsync, then rename over `path`: a crash or a
+    full disk leaves the previous file intact."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); "
+                        "the previous checkpoint is kept") from e
+
+
+def save(state, output_dir, numbered=False, keep=0):
+    """checkpoint_last.pth, plus checkpoint_NNNN.pth (NNNN = completed epochs) when `numbered`;
+    keep > 0 keeps only the newest `keep` numbered copies."""
+    save_atomic(state, os.path.join(output_dir, "checkpoint_last.pth"))
+    if numbered:
+        save_atomic(state, os.path.join(output_dir, f"checkpoint_{state['epoch']:04d}.pth"))
+        if keep > 0:
+            for old in sorted(numbered_checkpoints(output_dir))[:-keep]:
+                os.remove(old)
+
+
+def numbered_checkpoints(output_dir):
+    return [p for p in glob.glob(os.path.join(output_dir, "checkpoint_*.pth"))
+            if re.fullmatch(r"checkpoint_\d+\.pth", os.path.basename(p))]
+
+
+def load(path):
+    """Load a checkpoint on the CPU with weights_only=True (no arbitrary code runs)."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist: check the path")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path} is not a readable PyTorch checkpoint ({reason})") from None
+    if not isinstance(ckpt, dict):
+        raise UserError(f"{path} holds a {type(ckpt).__name__}, expected a checkpoint dict")
+    return ckpt
+
+
+def _strip(state, prefix):
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def trunk_state_dict(ckpt, path="checkpoint", encoder="online"):
+    """The torchvision-style ResNet weights (no fc) held by any checkpoint we accept."""
+    kind = ckpt.get("kind")
+    if kind == "pretrain":
+        prefix = "encoder." if encoder == "online" else "momentum_encoder."
+        state = _strip(ckpt["model"], prefix)
+    elif encoder != "online":
+        raise UserError(f"{path} has no momentum encoder: only main_pretrain.py checkpoints do")
+    elif kind == "lincls":
+        state = ckpt["model"]
+    else:  # a plain state dict, possibly wrapped as {"state_dict": ...} or saved from DDP
+        state = ckpt.get("state_dict", ckpt.get("model", ckpt))
+        if isinstance(state, dict) and all(k.startswith("module.") for k in state):
+            state = _strip(state, "module.")
+    if not isinstance(state, dict) or "conv1.weight" not in state or "layer1.0.conv1.weight" not in state:
+        raise UserError(f"{path} holds no torchvision-style ResNet trunk (expected keys conv1.weight, "
+                        "layer1.0.conv1.weight, ...): pass a main_pretrain.py or main_lincls.py "
+                        "checkpoint or a torchvision ResNet state dict")
+    return {k: v for k, v in state.items() if not k.startswith("fc.")}
+
+
+def checkpoint_arch(ckpt):
+    """(arch, small_input) recorded in our checkpoints, or (None, None) for plain state dicts."""
+    args = ckpt.get("args") or {}
+    return args.get("arch"), args.get("small_input")
+
+
+def load_trunk(path, arch=None, small_input=None, encoder="online"):
+    """Build the trunk and load it strictly from `path`; returns (trunk, feat_dim, ckpt).
+    arch/small_input default to what the checkpoint recorded."""
+    ckpt = load(path)
+    state = trunk_state_dict(ckpt, path, encoder)
+    saved_arch, saved_small = checkpoint_arch(ckpt)
+    arch = arch or saved_arch or "resnet50"
+    if small_input is None:
+        small_input = bool(saved_small) if saved_small is not None else state["conv1.weight"].shape[-1] == 3
+    if saved_arch and saved_arch != arch:
+        raise UserError(f"{path} holds a {saved_arch} trunk but --arch {arch} was given: "
+                        f"pass --arch {saved_arch}")
+    trunk, feat_dim = build_trunk(arch, small_input)
+    expected = trunk.state_dict()
+    mismatch = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
+    if mismatch or len(state) != len(expected):
+        raise UserError(f"{path} does not fit a {arch}{' (small input)' if small_input else ''} "
+                        f"trunk (first differing key: {(mismatch or sorted(set(state) - set(expected)))[0]}): "
+                        "pass the --arch (and --small-input) the checkpoint was trained with")
+    trunk.load_state_dict(state)
+    return trunk, feat_dim, ckpt

@@ -1,0 +1,300 @@
+"""Data: augmentations (paper Table 2), dataset readers, and the resumable pretraining sampler."""
+import os
+import pickle
+
+import numpy as np
+import torch
+import torchvision.transforms as T
+from PIL import Image
+from torch.utils.data import Dataset, Sampler
+from torchvision.datasets import ImageFolder
+
+from sce import UserError
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
+DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]
+
+# Table 2: p(color jitter), jitter (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
+AUGMENTATIONS = {
+    "weak":         (0.0, None, 0.0, 0.0, 0.0),
+    "strong":       (0.8, (0.4, 0.4, 0.4, 0.1), 0.2, 0.5, 0.0),
+    "strong-alpha": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 1.0, 0.0),
+    "strong-beta":  (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.1, 0.2),
+    "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
+}
+
+
+def view_transform(aug, size, scale=(0.2, 1.0)):
+    """One view: random resized crop + flip, then the photometric ops of `aug` (Table 2)."""
+    if aug not in AUGMENTATIONS:
+        raise UserError(f"unknown augmentation '{aug}': use one of {', '.join(AUGMENTATIONS)}")
+    p_jitter, jitter, p_gray, p_blur, p_solarize = AUGMENTATIONS[aug]
+    ops = [T.RandomResizedCrop(size, scale=tuple(scale)), T.RandomHorizontalFlip()]
+    if p_jitter:
+        ops.append(T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter))
+    if p_gray:
+        ops.append(T.RandomGrayscale(p_gray))
+    if p_blur:  # kernel ~10% of the crop: 23 at 224 px (SimCLR / BYOL)
+        kernel = max(3, int(0.1 * size) // 2 * 2 + 1)
+        ops.append(T.RandomApply([T.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=p_blur))
+    if p_solarize:
+        ops.append(T.RandomSolarize(128, p=p_solarize))
+    return T.Compose(ops + [T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+class MultiView:
+    """Applies one transform per view and returns the list of views."""
+
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, img):
+        return [t(img) for t in self.transforms]
+
+
+def pretrain_transform(args):
+    """View 0: target (weak by default) global view; view 1: online global view; then local crops."""
+    scale = (args.min_scale, 1.0)
+    views = [view_transform(args.target_aug, args.crop_size, scale),
+             view_transform(args.online_aug, args.crop_size, scale)]
+    scales = args.local_crop_scales
+    for i, size in enumerate(args.local_crop_sizes):
+        views.append(view_transform(args.local_aug, size, scales[2 * i:2 * i + 2]))
+    return MultiView(views)
+
+
+def eval_transform(train, crop_size=224, small=False):
+    """Linear-evaluation transforms (paper supp.): large images RRC+flip / resize 256 + centre
+    crop 224; small images random crop with 4 px padding + flip / resize to the resolution."""
+    if small:
+        ops = ([T.Resize(crop_size), T.RandomCrop(crop_size, padding=4), T.RandomHorizontalFlip()]
+               if train else [T.Resize(crop_size), T.CenterCrop(crop_size)])
+    else:
+        ops = ([T.RandomResizedCrop(crop_size), T.RandomHorizontalFlip()] if train
+               else [T.Resize(int(crop_size * 256 / 224)), T.CenterCrop(crop_size)])
+    return T.Compose(ops + [T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def load_rgb(path):
+    """Open any image as 8-bit RGB: grayscale, palette, CMYK, alpha and 16-bit inputs included."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        img.load()
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        arr = arr / 257.0 if arr.max() > 255 else arr  # 16-bit range down to 8 bits
+        img = Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+    if img.mode in ("P", "LA", "PA"):
+        img = img.convert("RGBA")
+    return img.convert("RGB")
+
+
+class ArrayImages(Dataset):
+    """Images held in memory as a uint8 (N, H, W, 3) array (CIFAR and STL10 binaries)."""
+
+    def __init__(self, images, labels, transform=None):
+        self.images, self.targets, self.transform = images, list(labels), transform
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        img = Image.fromarray(self.images[i])
+        return (self.transform(img) if self.transform else img), self.targets[i]
+
+    def path(self, i):
+        return f"image #{i}"
+
+
+class Folder(ImageFolder):
+    """ImageFolder that reads with load_rgb, tolerates empty class folders, and can keep only
+    the classes of a list file (ImageNet100)."""
+
+    def __init__(self, root, transform=None, classes=None):
+        self.keep = classes
+        super().__init__(root, transform=transform, loader=load_rgb, allow_empty=True)
+        if not self.samples:
+            raise UserError(f"no images found under {root}: expected one sub-folder of images "
+                            "per class (ImageFolder layout)")
+
+    def find_classes(self, directory):
+        classes, _ = super().find_classes(directory)
+        if self.keep is not None:
+            missing = sorted(set(self.keep) - set(classes))
+            if missing:
+                raise UserError(f"{directory} lacks {len(missing)} of the listed classes "
+                                f"(first: {missing[0]}): point --data at a full ImageNet split")
+            classes = sorted(self.keep)
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    def path(self, i):
+        return self.samples[i][0]
+
+
+class TinyImageNetVal(Dataset):
+    """Tiny-ImageNet val/: images/ plus val_annotations.txt (file, wnid, box)."""
+
+    def __init__(self, root, classes, transform=None):
+        index = {c: i for i, c in enumerate(classes)}
+        with open(os.path.join(root, "val_annotations.txt")) as f:
+            rows = [line.split("\t")[:2] for line in f if line.strip()]
+        self.samples = [(os.path.join(root, "images", name), index[wnid]) for name, wnid in rows]
+        self.targets = [t for _, t in self.samples]
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        img = load_rgb(self.samples[i][0])
+        return (self.transform(img) if self.transform else img), self.samples[i][1]
+
+    def path(self, i):
+        return self.samples[i][0]
+
+
+def _unpickle(path):
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="latin1")
+
+
+def read_cifar(root, train, num_classes=10):
+    """CIFAR python pickle batches (cifar-10-batches-py / cifar-100-python)."""
+    if num_classes == 10:
+        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        key = "labels"
+    else:
+        names, key = (["train"] if train else ["test"]), "fine_labels"
+    for sub in ("", "cifar-10-batches-py", "cifar-100-python"):
+        if all(os.path.isfile(os.path.join(root, sub, n)) for n in names):
+            batches = [_unpickle(os.path.join(root, sub, n)) for n in names]
+            break
+    else:
+        raise UserError(f"{root} holds no CIFAR{num_classes} python batches ({', '.join(names)})")
+    images = np.concatenate([b["data"] for b in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    labels = [y for b in batches for y in b[key]]
+    return ArrayImages(np.ascontiguousarray(images), labels)
+
+
+def read_stl10(root, splits):
+    """STL10 binaries (stl10_binary/): uint8 images stored column-major, labels 1..10."""
+    sub = os.path.join(root, "stl10_binary") if os.path.isdir(os.path.join(root, "stl10_binary")) else root
+    images, labels = [], []
+    for split in splits:
+        path = os.path.join(sub, f"{split}_X.bin")
+        if not os.path.isfile(path):
+            raise UserError(f"{path} not found: expected the STL10 binary files")
+        x = np.fromfile(path, dtype=np.uint8).reshape(-1, 3, 96, 96).transpose(0, 3, 2, 1)
+        images.append(x)
+        y_path = os.path.join(sub, f"{split}_y.bin")
+        labels += (np.fromfile(y_path, dtype=np.uint8).astype(int) - 1).tolist() if os.path.isfile(y_path) \
+            else [-1] * len(x)
+    return ArrayImages(np.ascontiguousarray(np.concatenate(images)), labels)
+
+
+def build_dataset(name, root, split="train", transform=None, class_list=None):
+    """split: 'pretrain' (STL10: unlabeled + train), 'train' or 'val' (the test set of CIFAR/STL10)."""
+    if not root or not os.path.exists(root):
+        raise UserError(f"data path {root!r} does not exist: pass --data DIR")
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset '{name}': use one of {', '.join(DATASETS)}")
+    train = split in ("pretrain", "train")
+    if name in ("cifar10", "cifar100"):
+        ds = read_cifar(root, train, 10 if name == "cifar10" else 100)
+    elif name == "stl10":
+        ds = read_stl10(root, ["unlabeled", "train"] if split == "pretrain" else ["train"] if train else ["test"])
+    else:
+        sub = os.path.join(root, "train" if train else "val")
+        if name == "tiny-imagenet" and not train:
+            classes = sorted(os.listdir(os.path.join(root, "train")))
+            return TinyImageNetVal(sub, classes, transform)
+        if not os.path.isdir(sub):
+            if not train:
+                raise UserError(f"{root} has no val/ folder: evaluation needs DATA/train and DATA/val")
+            sub = root
+        keep = None
+        if name == "imagenet100":
+            with open(class_list or IMAGENET100) as f:
+                keep = f.read().split()
+        return Folder(sub, transform, keep)
+    ds.transform = transform
+    return ds
+
+
+def _seed_of(seed, epoch, index):
+    return (seed * 1_000_003 + epoch * 100_003 + index) % (2 ** 63)
+
+
+class PretrainDataset(Dataset):
+    """Multi-view samples whose augmentation is a pure function of (seed, epoch, index): the same
+    images and views for any number of workers or ranks, and after a resume.
+
+    An unreadable image is replaced by the next readable one; the sample reports the index and
+    the reason so the main process can log it once and count it.
+    """
+
+    def __init__(self, dataset, transform, seed):
+        self.dataset, self.transform, self.seed = dataset, transform, seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        bad, reason = -1, ""
+        for attempt in range(len(self.dataset)):
+            i = (index + attempt) % len(self.dataset)
+            try:
+                img = self.dataset[i][0]
+                break
+            except Exception as e:  # decode errors come as many exception types
+                if bad < 0:
+                    bad, reason = i, f"{type(e).__name__}: {e}"[:300]
+        else:
+            raise UserError("no readable image in the dataset")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed_of(self.seed, epoch, index))
+            views = self.transform(img)
+        return views, bad, reason
+
+
+class ResumableSampler(Sampler):
+    """Yields (epoch, index) for this rank. Each epoch is a seeded permutation cut into global
+    batches of `global_batch`; rank r takes the r-th slice of each, so N ranks see exactly the
+    global batches one process would. set_epoch(epoch, start_step) skips finished steps."""
+
+    def __init__(self, num_samples, global_batch, rank=0, world_size=1, seed=0):
+        self.n, self.batch, self.rank, self.world, self.seed = num_samples, global_batch, rank, world_size, seed
+        self.steps = num_samples // global_batch
+        self.epoch, self.start_step = 0, 0
+
+    def set_epoch(self, epoch, start_step=0):
+        self.epoch, self.start_step = epoch, start_step
+
+    def __len__(self):
+        return (self.steps - self.start_step) * (self.batch // self.world)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(self.n, generator=g)[:self.steps * self.batch]
+        mine = perm.view(self.steps, self.world, -1)[self.start_step:, self.rank].flatten()
+        return iter([(self.epoch, i) for i in mine.tolist()])
+
+
+def digits_imagefolder(root):
+    """The embedded demo data: scikit-learn's 8x8 handwritten digits written once as 16x16 PNGs in
+    ImageFolder layout (root/train, root/val; every 5th image held out), so the demo runs the
+    real ImageFolder path."""
+    if os.path.isfile(os.path.join(root, ".complete")):
+        return root
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    for i, (img, label) in enumerate(zip(digits.images, digits.target)):
+        split = "val" if i % 5 == 0 else "train"
+        folder = os.path.join(root, split, str(label))
+        os.makedirs(folder, exist_ok=True)
+        pixels = (img * (255.0 / 16.0)).astype(np.uint8)
+        Image.fromarray(pixels).resize((16, 16), Image.BICUBIC).save(os.path.join(folder, f"{i:04d}.png"))
+    open(os.path.join(root, ".complete"), "w").close()
+    return root

@@ -1,0 +1,77 @@
+"""The objectives of SCE and its baselines, as pure functions on l2-normalised tensors.
+
+Shapes: q (N, D) online outputs, k (N, D) target outputs (no gradient), queue (M, D).
+The candidates of query i are its positive k_i followed by the M queue entries, so the
+batch sums of the paper's equations run over [k_i, queue] here (SPEC section 1).
+Equation numbers refer to the SCE paper (WACV 2023).
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _similarities(q, k, queue):
+    """(N, 1) positive and (N, M) negative cosine similarities of the queries."""
+    pos = torch.einsum("nd,nd->n", q, k).unsqueeze(1)
+    neg = torch.einsum("nd,md->nm", q, queue)
+    return pos, neg
+
+
+def sce_loss(q, k, queue, lambda_=0.5, tau=0.1, tau_m=0.07, mask_positive=False):
+    """L_SCE, eq. 9: cross-entropy between the target w2 (eq. 7) and the online p1 (eq. 8).
+
+    The target relations s2 (eq. 3) come from k against the queue. The published code gives
+    the positive a constant 0 logit (it keeps a small weight); mask_positive=True gives it
+    weight exactly 0, as eq. 3 writes it.
+    """
+    pos, neg = _similarities(q, k, queue)
+    log_p1 = F.log_softmax(torch.cat([pos, neg], dim=1) / tau, dim=1)  # eq. 8
+    with torch.no_grad():
+        sim2_neg = torch.einsum("nd,md->nm", k, queue) / tau_m
+        sim2_pos = torch.full_like(sim2_neg[:, :1], float("-inf") if mask_positive else 0.0)
+        s2 = F.softmax(torch.cat([sim2_pos, sim2_neg], dim=1), dim=1)  # eq. 3
+        w2 = (1 - lambda_) * s2  # eq. 7
+        w2[:, 0] += lambda_
+    return -(w2 * log_p1).sum(dim=1).mean()  # eq. 9
+
+
+def infonce_loss(q, k, queue, tau=0.2):
+    """L_InfoNCE, eq. 1 (MoCo v2): the positive against the queue."""
+    pos, neg = _similarities(q, k, queue)
+    logits = torch.cat([pos, neg], dim=1) / tau
+    return F.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long, device=q.device))
+
+
+def ressl_loss(q, k, queue, tau=0.1, tau_m=0.04):
+    """L_ReSSL, eq. 4: relations of k (eq. 3) predicted from q (eq. 2); the positive is
+    excluded from both distributions."""
+    neg = torch.einsum("nd,md->nm", q, queue)
+    log_s1 = F.log_softmax(neg / tau, dim=1)  # eq. 2
+    with torch.no_grad():
+        s2 = F.softmax(torch.einsum("nd,md->nm", k, queue) / tau_m, dim=1)  # eq. 3
+    return -(s2 * log_s1).sum(dim=1).mean()  # eq. 4
+
+
+def ceil_loss(q, k, queue, tau=0.1):
+    """L_Ceil of Proposition 1: -log of the online mass p1 puts on the negatives."""
+    pos, neg = _similarities(q, k, queue)
+    return (torch.logsumexp(torch.cat([pos, neg], dim=1) / tau, dim=1)
+            - torch.logsumexp(neg / tau, dim=1)).mean()
+
+
+def combined_loss(q, k, queue, lambda_=0.5, mu=0.5, eta=0.5, tau=0.1, tau_m=0.07):
+    """Eq. 10 with free coefficients (Table 3). With mu = eta = 1 - lambda it equals
+    sce_loss(..., mask_positive=True) exactly (Proposition 1)."""
+    loss = lambda_ * infonce_loss(q, k, queue, tau)
+    if mu:
+        loss = loss + mu * ressl_loss(q, k, queue, tau, tau_m)
+    if eta:
+        loss = loss + eta * ceil_loss(q, k, queue, tau)
+    return loss
+
+
+@torch.no_grad()
+def loss_terms(q, k, queue, tau=0.1, tau_m=0.07):
+    """The three terms of eq. 10, for logging only."""
+    return {"infonce": infonce_loss(q, k, queue, tau),
+            "ressl": ressl_loss(q, k, queue, tau, tau_m),
+            "ceil": ceil_loss(q, k, queue, tau)}

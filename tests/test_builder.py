@@ -1,0 +1,132 @@
+"""Model: exact momentum copy, EMA, schedules, view pairs, queue FIFO, heads, shuffle-BN."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from sce import UserError
+from sce.builder import SCE, build_mlp, build_trunk, momentum_at
+from sce.optim import cosine_lr
+
+
+def small_model(criterion=None, **kw):
+    torch.manual_seed(0)
+    kw = dict(dict(arch="resnet18", small_input=True, proj_hidden_dims=[32], proj_dim=16, queue_size=12), **kw)
+    return SCE(criterion, **kw)
+
+
+def views(n=4, count=2, size=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 3, size, size, generator=g) for _ in range(count)]
+
+
+def test_momentum_branch_starts_as_exact_copy():
+    model = small_model()
+    for a, b in zip(model.online_parameters(), model.momentum_parameters()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr() and not b.requires_grad
+
+
+def test_ema_update():
+    model = small_model()
+    with torch.no_grad():
+        for p in model.online_parameters():
+            p.add_(1.0)
+    before_t = [p.clone() for p in model.momentum_parameters()]
+    online = [p.clone() for p in model.online_parameters()]
+    model.update_momentum(0.9)
+    for t0, o, t1 in zip(before_t, online, model.momentum_parameters()):
+        assert torch.allclose(t1, 0.9 * t0 + 0.1 * o, atol=1e-6)
+
+
+def test_momentum_schedule():
+    assert momentum_at(0, 100, 0.99) == pytest.approx(0.99)
+    assert momentum_at(100, 100, 0.99) == pytest.approx(1.0)
+    assert momentum_at(50, 100, 0.99) == pytest.approx(0.995)
+    assert momentum_at(37, 100, 0.99, "constant") == 0.99
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert cosine_lr(0, 100, 1.0, warmup_steps=10) == pytest.approx(0.1)
+    assert cosine_lr(9, 100, 1.0, warmup_steps=10) == pytest.approx(1.0)
+    assert cosine_lr(10, 100, 1.0, warmup_steps=10) == pytest.approx(1.0)
+    assert cosine_lr(55, 100, 1.0, warmup_steps=10) == pytest.approx(0.5)
+    assert cosine_lr(99, 100, 1.0, 10) == pytest.approx(0.5 * (1 + math.cos(math.pi * 89 / 90)))
+
+
+@pytest.mark.parametrize("symmetric,num_views,expected", [
+    (False, 2, 1), (True, 2, 2), (False, 6, 5), (True, 6, 10)])
+def test_pair_counts(symmetric, num_views, expected):
+    pairs = small_model(symmetric=symmetric).pairs(num_views)
+    assert len(pairs) == expected
+    assert all(t in (0, 1) and v != t for t, v in pairs)
+    if not symmetric:
+        assert all(t == 0 for t, _ in pairs)
+
+
+def test_symmetric_loss_is_mean_over_pairs_and_uses_pre_step_queue():
+    calls = []
+
+    def criterion(q, k, queue):
+        calls.append(queue.clone())
+        return q.sum() * 0 + len(calls)  # 1, 2, ..., one value per pair
+
+    model = small_model(criterion, symmetric=True, queue_size=16)
+    queue_before = model.queue.clone()
+    loss, _ = model(views(4, 2) + views(4, 4, size=6, seed=1))
+    assert len(calls) == 10 and loss.item() == pytest.approx(sum(range(1, 11)) / 10)
+    assert all(torch.equal(c, queue_before) for c in calls)
+    assert int(model.queue_ptr) == 8  # both global views enqueued: 2 x 4 keys
+
+
+def test_queue_fifo_and_wraparound():
+    model = small_model(queue_size=12)
+    k1, k2, k3 = (torch.full((4, 16), float(i)) for i in (1, 2, 3))
+    model.enqueue(k1)
+    model.enqueue(k2)
+    assert torch.equal(model.queue[:4], k1) and torch.equal(model.queue[4:8], k2) and int(model.queue_ptr) == 8
+    model.enqueue(k3)
+    assert int(model.queue_ptr) == 0
+    model.enqueue(k1 * 5)
+    assert torch.equal(model.queue[:4], k1 * 5) and torch.equal(model.queue[8:], k3)
+    with pytest.raises(ValueError, match="multiple"):
+        small_model(queue_size=10).enqueue(k1)
+
+
+def test_forward_enqueues_target_keys():
+    model = small_model(lambda q, k, queue: (q * k).sum())
+    model.eval()
+    x = views(4, 2)
+    expected = model.target(x[0])
+    model(x)
+    assert torch.allclose(model.queue[:4], expected, atol=1e-6)
+
+
+def test_heads_and_trunk_options():
+    mlp = build_mlp(64, [128, 128], 32, last_bn="no-affine")
+    linears = [m for m in mlp if isinstance(m, nn.Linear)]
+    bns = [m for m in mlp if isinstance(m, nn.BatchNorm1d)]
+    assert [l.out_features for l in linears] == [128, 128, 32] and len(bns) == 3
+    assert bns[-1].weight is None and bns[0].weight is not None
+    assert build_mlp(64, [], 32)[-1].bias is not None
+    trunk, dim = build_trunk("resnet50", small_input=True)
+    assert dim == 2048 and trunk.conv1.kernel_size == (3, 3) and trunk.conv1.stride == (1, 1)
+    assert isinstance(trunk.maxpool, nn.Identity) and isinstance(trunk.fc, nn.Identity)
+    with pytest.raises(ValueError, match="unknown arch"):
+        build_trunk("vit_b_16")
+    pred = small_model(pred_hidden_dims=[64]).predictor
+    assert isinstance(pred, nn.Sequential) and pred[0].in_features == 16 and pred[-1].out_features == 16
+
+
+def test_shuffle_bn_unshuffles_keys():
+    model = small_model(shuffle_bn=True, bn_splits=2)
+    x = views(8, 1)[0]
+    model.eval()  # with frozen BN, shuffling must not change any key: only the order is tested
+    shuffled = model.target(x)
+    model.shuffle_bn = False
+    assert torch.allclose(shuffled, model.target(x), atol=1e-6)
+    model.train()
+    model.shuffle_bn = True
+    keys = model.target(x)  # per-split BN statistics: differs from full-batch BN
+    model.shuffle_bn = False
+    assert not torch.allclose(keys, model.target(x), atol=1e-4)

@@ -1,0 +1,151 @@
+"""Data: the augmentation table, per-sample determinism, the sampler, and the real file formats."""
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms as T
+from PIL import Image
+
+from conftest import write_imagefolder
+from sce import UserError
+from sce.loader import (AUGMENTATIONS, PretrainDataset, ResumableSampler, build_dataset, load_rgb,
+                        view_transform, MultiView)
+
+
+def ops(transform, kind):
+    found = []
+    for op in transform.transforms:
+        inner = op.transforms if isinstance(op, T.RandomApply) else [op]
+        found += [(op, i) for i in inner if isinstance(i, kind)]
+    return found
+
+
+@pytest.mark.parametrize("name,jitter_p,sat,blur_p,solar_p", [
+    ("weak", 0, None, 0, 0), ("strong", 0.8, 0.4, 0.5, 0), ("strong-alpha", 0.8, 0.2, 1.0, 0),
+    ("strong-beta", 0.8, 0.2, 0.1, 0.2), ("strong-gamma", 0.8, 0.2, 0.5, 0.2)])
+def test_table2(name, jitter_p, sat, blur_p, solar_p):
+    t = view_transform(name, 224)
+    jitter = ops(t, T.ColorJitter)
+    assert (jitter[0][0].p if jitter else 0) == jitter_p
+    if jitter:
+        cj = jitter[0][1]
+        assert cj.brightness == (0.6, 1.4) and cj.contrast == (0.6, 1.4) and cj.hue == (-0.1, 0.1)
+        assert cj.saturation == (1 - sat, 1 + sat)
+        assert ops(t, T.RandomGrayscale)[0][1].p == 0.2
+    blur = ops(t, T.GaussianBlur)
+    assert (blur[0][0].p if blur else 0) == blur_p
+    if blur:
+        assert blur[0][1].kernel_size == (23, 23) and blur[0][1].sigma == (0.1, 2.0)
+    solar = ops(t, T.RandomSolarize)
+    assert (solar[0][1].p if solar else 0) == solar_p
+    rrc = ops(t, T.RandomResizedCrop)[0][1]
+    assert rrc.size == (224, 224) and rrc.scale == (0.2, 1.0)
+    assert ops(t, T.RandomHorizontalFlip)[0][1].p == 0.5
+    with pytest.raises(UserError, match="unknown augmentation"):
+        view_transform("medium", 32)
+
+
+def test_views_are_a_function_of_seed_epoch_index(imagefolder):
+    ds = build_dataset("imagefolder", imagefolder, "pretrain")
+    data = PretrainDataset(ds, MultiView([view_transform("strong", 16), view_transform("strong", 16)]), seed=3)
+    a, b = data[(0, 5)][0], data[(0, 5)][0]
+    torch.manual_seed(123)  # the global RNG must not matter
+    c = data[(0, 5)][0]
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+    assert not torch.equal(a[0], a[1])
+    assert not torch.equal(a[0], data[(1, 5)][0][0])
+
+
+def test_sampler_ranks_partition_the_global_batches():
+    single = list(ResumableSampler(50, 8, seed=1))
+    assert len(single) == 48 and len({i for _, i in single}) == 48
+    parts = [list(ResumableSampler(50, 8, rank=r, world_size=2, seed=1)) for r in range(2)]
+    for step in range(6):
+        assert single[step * 8:(step + 1) * 8] == parts[0][step * 4:(step + 1) * 4] + parts[1][step * 4:(step + 1) * 4]
+    resumed = ResumableSampler(50, 8, rank=1, world_size=2, seed=1)
+    resumed.set_epoch(0, start_step=4)
+    assert list(resumed) == parts[1][16:] and len(resumed) == 8
+    other = ResumableSampler(50, 8, seed=1)
+    other.set_epoch(1)
+    assert [i for _, i in other] != [i for _, i in single] and {e for e, _ in other} == {1}
+
+
+def test_cifar_batches(tmp_path):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(root / name, "wb") as f:
+            pickle.dump({"data": rng.integers(0, 255, (4, 3072), dtype=np.uint8), "labels": [0, 1, 2, 3]}, f)
+    train = build_dataset("cifar10", str(tmp_path), "train")
+    assert len(train) == 20 and train.targets[:4] == [0, 1, 2, 3]
+    with open(root / "data_batch_1", "rb") as f:
+        raw = pickle.load(f)["data"][1]
+    img, label = train[1]
+    assert label == 1 and np.array_equal(np.asarray(img)[:, :, 0], raw[:1024].reshape(32, 32))
+    assert len(build_dataset("cifar10", str(tmp_path), "val")) == 4
+    with pytest.raises(UserError, match="CIFAR100"):
+        build_dataset("cifar100", str(tmp_path), "train")
+
+
+def test_stl10_binaries(tmp_path):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "stl10_binary"
+    root.mkdir()
+    for split, n in [("train", 3), ("test", 2), ("unlabeled", 5)]:
+        rng.integers(0, 255, n * 3 * 96 * 96, dtype=np.uint8).tofile(root / f"{split}_X.bin")
+        if split != "unlabeled":
+            np.arange(1, n + 1, dtype=np.uint8).tofile(root / f"{split}_y.bin")
+    pre = build_dataset("stl10", str(tmp_path), "pretrain")
+    assert len(pre) == 8 and pre.targets[:5] == [-1] * 5 and pre.targets[5:] == [0, 1, 2]
+    raw = np.fromfile(root / "train_X.bin", dtype=np.uint8)[:3 * 96 * 96].reshape(3, 96, 96)
+    img, _ = build_dataset("stl10", str(tmp_path), "train")[0]
+    assert np.array_equal(np.asarray(img)[:, :, 2], raw[2].T)  # stored column-major
+    assert len(build_dataset("stl10", str(tmp_path), "val")) == 2
+
+
+def test_tiny_imagenet_and_imagenet100(tmp_path):
+    root = tmp_path / "tiny"
+    for wnid in ("n01", "n02"):
+        os.makedirs(root / "train" / wnid / "images")
+        Image.new("RGB", (64, 64)).save(root / "train" / wnid / "images" / f"{wnid}_0.JPEG")
+    os.makedirs(root / "val" / "images")
+    Image.new("RGB", (64, 64)).save(root / "val" / "images" / "val_0.JPEG")
+    (root / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn02\t0\t0\t10\t10\n")
+    assert len(build_dataset("tiny-imagenet", str(root), "train")) == 2
+    val = build_dataset("tiny-imagenet", str(root), "val")
+    assert len(val) == 1 and val[0][1] == 1
+
+    listed = tmp_path / "classes.txt"
+    listed.write_text("class_2\nclass_0\n")
+    data = write_imagefolder(tmp_path / "in", num_classes=3, per_class=2)
+    subset = build_dataset("imagenet100", data, "train", class_list=str(listed))
+    assert subset.classes == ["class_0", "class_2"] and len(subset) == 4
+    listed.write_text("class_0\nclass_9\n")
+    with pytest.raises(UserError, match="class_9"):
+        build_dataset("imagenet100", data, "train", class_list=str(listed))
+
+
+def test_image_modes_become_rgb(tmp_path):
+    rng = np.random.default_rng(0)
+    gray = Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8))
+    paths = {"gray.png": gray, "palette.png": gray.convert("P"), "cmyk.jpg": gray.convert("CMYK"),
+             "rgba.png": gray.convert("RGBA")}
+    for name, img in paths.items():
+        img.save(tmp_path / name)
+    Image.fromarray(np.full((8, 8), 65535, np.uint16)).save(tmp_path / "deep.png")
+    for name in list(paths) + ["deep.png"]:
+        img = load_rgb(str(tmp_path / name))
+        assert img.mode == "RGB" and img.size == (8, 8), name
+    assert np.asarray(load_rgb(str(tmp_path / "deep.png"))).min() == 255  # 16-bit white stays white
+
+
+def test_missing_and_empty_data(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        build_dataset("imagefolder", str(tmp_path / "nope"), "pretrain")
+    os.makedirs(tmp_path / "empty" / "class_a")
+    (tmp_path / "empty" / "class_a" / "notes.txt").write_text("not an image")
+    with pytest.raises(UserError, match="no images found"):
+        build_dataset("imagefolder", str(tmp_path / "empty"), "pretrain")

@@ -1,0 +1,124 @@
+"""The objectives against float64 transcriptions of the paper's equations (loops, no torch ops)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sce import losses
+
+
+def unit_rows(n, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=1)
+
+
+@pytest.fixture
+def qkm():
+    return unit_rows(6, 8, 0), unit_rows(6, 8, 1), unit_rows(10, 8, 2)
+
+
+def candidates(k, queue, i):
+    """Candidates of query i: its positive k_i, then the queue (SPEC section 1)."""
+    return [k[i]] + list(queue)
+
+
+def reference_sce(q, k, queue, lam, tau, tau_m, mask_positive):
+    q, k, queue = q.numpy(), k.numpy(), queue.numpy()
+    total = 0.0
+    for i in range(len(q)):
+        cands = candidates(k, queue, i)
+        # eq. 3 on the target branch; published code: logit 0 at the positive unless masked
+        target_logits = [None if mask_positive else 0.0] + [k[i] @ c / tau_m for c in cands[1:]]
+        norm = sum(math.exp(v) for v in target_logits if v is not None)
+        s2 = [0.0 if v is None else math.exp(v) / norm for v in target_logits]
+        w2 = [lam * (j == 0) + (1 - lam) * s2[j] for j in range(len(cands))]  # eq. 7
+        online = [q[i] @ c / tau for c in cands]
+        log_z = math.log(sum(math.exp(v) for v in online))
+        p1_log = [v - log_z for v in online]  # eq. 8
+        total += -sum(w * lp for w, lp in zip(w2, p1_log))  # eq. 9
+    return total / len(q)
+
+
+def reference_ressl(q, k, queue, tau, tau_m):
+    q, k, queue = q.numpy(), k.numpy(), queue.numpy()
+    total = 0.0
+    for i in range(len(q)):
+        s2 = np.array([math.exp(k[i] @ c / tau_m) for c in queue])
+        s2 /= s2.sum()  # eq. 3 (positive excluded)
+        s1 = np.array([math.exp(q[i] @ c / tau) for c in queue])
+        s1 /= s1.sum()  # eq. 2
+        total += -(s2 * np.log(s1)).sum()  # eq. 4
+    return total / len(q)
+
+
+def reference_infonce(q, k, queue, tau):
+    q, k, queue = q.numpy(), k.numpy(), queue.numpy()
+    total = 0.0
+    for i in range(len(q)):
+        logits = [q[i] @ c / tau for c in candidates(k, queue, i)]
+        total += -(logits[0] - math.log(sum(math.exp(v) for v in logits)))  # eq. 1
+    return total / len(q)
+
+
+def reference_ceil(q, k, queue, tau):
+    q, k, queue = q.numpy(), k.numpy(), queue.numpy()
+    total = 0.0
+    for i in range(len(q)):
+        e = [math.exp(q[i] @ c / tau) for c in candidates(k, queue, i)]
+        total += -math.log(sum(e[1:]) / sum(e))  # Proposition 1
+    return total / len(q)
+
+
+@pytest.mark.parametrize("lam,tau,tau_m", [(0.5, 0.1, 0.07), (0.2, 0.2, 0.05), (0.9, 0.1, 0.1)])
+@pytest.mark.parametrize("mask_positive", [False, True])
+def test_sce_loss_matches_equations_7_to_9(qkm, lam, tau, tau_m, mask_positive):
+    q, k, queue = qkm
+    got = losses.sce_loss(q, k, queue, lam, tau, tau_m, mask_positive).item()
+    assert got == pytest.approx(reference_sce(q, k, queue, lam, tau, tau_m, mask_positive), rel=1e-10)
+
+
+def test_published_target_differs_from_masked(qkm):
+    q, k, queue = qkm
+    published = losses.sce_loss(q, k, queue, 0.5, 0.1, 0.07, mask_positive=False).item()
+    masked = losses.sce_loss(q, k, queue, 0.5, 0.1, 0.07, mask_positive=True).item()
+    assert abs(published - masked) > 1e-6
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 0.5, 1.0])
+def test_eq9_equals_eq10_under_masking(qkm, lam):
+    q, k, queue = qkm
+    eq9 = losses.sce_loss(q, k, queue, lam, 0.1, 0.05, mask_positive=True)
+    eq10 = losses.combined_loss(q, k, queue, lam, 1 - lam, 1 - lam, 0.1, 0.05)
+    assert eq9.item() == pytest.approx(eq10.item(), rel=1e-10)
+
+
+def test_lambda_one_is_infonce(qkm):
+    q, k, queue = qkm
+    for mask in (False, True):
+        assert losses.sce_loss(q, k, queue, 1.0, 0.2, 0.07, mask).item() == pytest.approx(
+            losses.infonce_loss(q, k, queue, 0.2).item(), rel=1e-12)
+
+
+def test_terms_match_equations(qkm):
+    q, k, queue = qkm
+    assert losses.infonce_loss(q, k, queue, 0.2).item() == pytest.approx(reference_infonce(q, k, queue, 0.2), rel=1e-10)
+    assert losses.ressl_loss(q, k, queue, 0.1, 0.04).item() == pytest.approx(reference_ressl(q, k, queue, 0.1, 0.04), rel=1e-10)
+    assert losses.ceil_loss(q, k, queue, 0.1).item() == pytest.approx(reference_ceil(q, k, queue, 0.1), rel=1e-10)
+    terms = losses.loss_terms(q, k, queue, 0.1, 0.07)
+    assert terms["ressl"].item() == pytest.approx(reference_ressl(q, k, queue, 0.1, 0.07), rel=1e-10)
+
+
+def test_free_coefficients(qkm):
+    q, k, queue = qkm
+    got = losses.combined_loss(q, k, queue, 0.5, 0.5, 0.0, 0.1, 0.07).item()  # Table 3, eta = 0
+    want = 0.5 * reference_infonce(q, k, queue, 0.1) + 0.5 * reference_ressl(q, k, queue, 0.1, 0.07)
+    assert got == pytest.approx(want, rel=1e-10)
+
+
+def test_gradient_flows_only_through_queries(qkm):
+    q, k, queue = (t.clone().requires_grad_(True) for t in qkm)
+    losses.sce_loss(q, k.detach(), queue.detach()).backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    assert k.grad is None and queue.grad is None

@@ -1,0 +1,33 @@
+"""LARS and the weight-decay exclusions."""
+import torch
+import torch.nn as nn
+
+from sce.optim import LARS, build_optimizer, param_groups
+
+
+def test_bias_and_norm_parameters_are_excluded():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and [p.shape for p in decay["params"]] == [torch.Size([3, 4])]
+    assert no_decay["weight_decay"] == 0.0 and no_decay["lars_exclude"]
+    assert len(no_decay["params"]) == 3  # linear bias, BN weight and bias
+
+
+def test_lars_step_matches_formula():
+    torch.manual_seed(0)
+    w, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+    w0, b0 = w.detach().clone(), b.detach().clone()
+    w.grad, b.grad = torch.randn(3, 4), torch.randn(3)
+    opt = LARS([{"params": [w], "weight_decay": 0.01}, {"params": [b], "weight_decay": 0.0, "lars_exclude": True}],
+               lr=0.5, momentum=0.9, trust_coefficient=1e-3)
+    opt.step()
+    d = w.grad + 0.01 * w0
+    trust = 1e-3 * w0.norm() / d.norm()
+    assert torch.allclose(w.detach(), w0 - 0.5 * trust * d, atol=1e-7)
+    assert torch.allclose(b.detach(), b0 - 0.5 * b.grad, atol=1e-7)  # excluded: plain SGD step
+
+
+def test_build_optimizer_kinds():
+    model = nn.Linear(3, 2)
+    assert isinstance(build_optimizer("lars", model, 0.1, 1e-6), LARS)
+    assert isinstance(build_optimizer("sgd", model, 0.1, 1e-6), torch.optim.SGD)

@@ -1,0 +1,158 @@
+"""main_pretrain.py as users run it: contract commands, exact resume, multi-rank equivalence, bad input."""
+import os
+
+import pytest
+import torch
+
+from conftest import run_script, write_imagefolder
+from sce import UserError
+
+TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
+        "--workers", "0", "--proj-hidden-dims", "32", "--proj-dim", "16", "--print-freq", "1"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_imagefolder(tmp_path_factory.mktemp("pretrain") / "data", num_classes=3, per_class=6, size=20)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resume_equals_uninterrupted_run(data, tmp_path):
+    run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--output-dir", str(tmp_path / "a")] + TINY)
+    first = run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--stop-after-epochs", "1",
+                        "--output-dir", str(tmp_path / "b")] + TINY)
+    assert "stopping after 1 epoch" in first.stdout
+    assert load(tmp_path / "b" / "checkpoint_last.pth")["epoch"] == 1
+    second = run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--output-dir", str(tmp_path / "b")] + TINY)
+    assert "resuming from" in second.stdout
+    a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
+    assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
+    assert_same_state(a["model"], b["model"])
+    assert int(a["model"]["queue_ptr"]) == 0  # 4 steps x 8 keys wrap a 32-key queue
+    assert os.path.exists(tmp_path / "a" / "checkpoint_0002.pth")  # last epoch always numbered
+    # progress line and TensorBoard scalars
+    assert "img/s eta" in first.stdout and "lr" in first.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "a")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/momentum", "train/images_per_s",
+            "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
+
+
+def test_two_gloo_ranks_equal_one_process(data, tmp_path):
+    run_script(["torchrun", "--nproc_per_node=2", "tests/dist_equivalence.py", data, str(tmp_path / "two.pth")])
+    run_script(["tests/dist_equivalence.py", data, str(tmp_path / "one.pth")])
+    two, one = load(tmp_path / "two.pth"), load(tmp_path / "one.pth")
+    assert torch.equal(two["queue_ptr"], one["queue_ptr"]) and int(one["queue_ptr"]) == 16  # 18 images: 2 steps x 8 keys, M=24
+    assert not torch.allclose(one["queue"][:8], one["queue"][8:16])  # steps enqueued different keys
+    for key in one:
+        assert torch.allclose(two[key].float(), one[key].float(), atol=1e-4), key
+
+
+def test_contract_commands_torchrun_then_resume(data, tmp_path):
+    out = str(tmp_path / "out")
+    common = ["--data", data, "--arch", "resnet18", "--small-input", "--crop-size", "32", "--batch-size", "16",
+              "--queue-size", "64", "--workers", "0", "--output-dir", out]
+    proc = run_script(["torchrun", "--nproc_per_node=2", "main_pretrain.py"] + common +
+                      ["--epochs", "1", "--lambda", "0.5", "--tau-m", "0.07"])
+    assert "on 2 rank(s)" in proc.stdout
+    ckpt = load(os.path.join(out, "checkpoint_last.pth"))
+    assert ckpt["epoch"] == 1 and ckpt["args"]["tau_m"] == 0.07
+    run_script(["main_pretrain.py"] + common + ["--epochs", "2", "--resume", os.path.join(out, "checkpoint_last.pth")])
+    assert load(os.path.join(out, "checkpoint_last.pth"))["epoch"] == 2
+
+
+def test_methods_and_options_run(data, tmp_path):
+    # baselines, eq. 10, symmetric multi-crop, shuffle-BN, LARS, bf16 autocast, channels-last, predictor
+    run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "r"), "--method",
+                "ressl", "--symmetric", "--local-crop-sizes", "8", "--local-crop-scales", "0.1", "0.5",
+                "--shuffle-bn", "--optimizer", "lars", "--amp", "bf16", "--channels-last",
+                "--pred-hidden-dims", "32"] + TINY + ["--queue-size", "48"])
+    ckpt = load(tmp_path / "r" / "checkpoint_last.pth")
+    assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak"
+    assert int(ckpt["model"]["queue_ptr"]) == 32  # symmetric: 2 x 8 keys per step, 2 steps
+    assert any(k.startswith("predictor.") for k in ckpt["model"])
+    run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "m"),
+                "--method", "moco"] + TINY)
+    args = load(tmp_path / "m" / "checkpoint_last.pth")["args"]
+    assert args["tau"] == 0.2 and args["loss"] == "infonce" and args["target_aug"] == "strong"
+    run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "c"),
+                "--loss-coeffs", "0.5", "0.5", "0"] + TINY)
+    assert load(tmp_path / "c" / "checkpoint_last.pth")["args"]["loss"] == "combined"
+
+
+def test_demo_prints_knn_line(tmp_path):
+    proc = run_script(["main_pretrain.py", "--epochs", "1", "--output-dir", str(tmp_path / "demo")],
+                      env={"HOME": str(tmp_path)})
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("kNN top-1: ") and "(untrained: " in last and last.endswith("%)")
+
+
+def one_line_error(args, match):
+    """The script as users run it: non-zero exit, one line on stderr, no traceback."""
+    proc = run_script(args, check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines and "error" in lines[-1] and match in lines[-1], proc.stderr[-2000:]
+
+
+def user_error(argv, match):
+    """Same checks in-process (no interpreter start): main() raises the UserError the script prints."""
+    import main_pretrain
+    with pytest.raises(UserError, match=match):
+        main_pretrain.main(argv)
+
+
+def test_bad_input_is_one_line(data, tmp_path):
+    one_line_error(["main_pretrain.py", "--data", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "o")],
+                   "does not exist")
+    one_line_error(["main_pretrain.py", "--data", data, "--online-aug", "extreme"], "invalid choice")
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--arch", "resnet7"], "unknown arch"),
+    (["--queue-size", "36"], "not a multiple"),
+    (["--lambda", "1.5"], "--lambda"),
+    (["--tau", "0"], "temperatures must be positive"),
+    (["--tau-m", "-0.1"], "temperatures must be positive"),
+    (["--batch-size", "100", "--queue-size", "100"], "fewer than one batch"),
+])
+def test_bad_flags(data, tmp_path, extra, match):
+    user_error(["--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "o")] + TINY + extra, match)
+
+
+def test_bad_files(data, tmp_path):
+    base = ["--epochs", "1"] + TINY
+    os.makedirs(tmp_path / "empty" / "class_a")
+    user_error(["--data", str(tmp_path / "empty"), "--output-dir", str(tmp_path / "o")] + base, "no images found")
+    user_error(["--data", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o")] + base, "does not exist")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    user_error(["--data", data, "--output-dir", str(blocker / "sub")] + base, "not writable")
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"not a checkpoint")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "j"), "--resume", str(junk)] + base,
+               "not a readable PyTorch checkpoint")
+    run_script(["main_pretrain.py", "--data", data, "--output-dir", str(tmp_path / "r18")] + base)
+    other = [a if a != "resnet18" else "resnet34" for a in base]
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + other, "--arch resnet18")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--queue-size", "64"], "--queue-size")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18"), "--resume", "none"] + base, "would overwrite")
+
+
+def test_batch_not_divisible_by_ranks(data, tmp_path):
+    args = ["torchrun", "--nproc_per_node=2", "main_pretrain.py", "--data", data, "--epochs", "1",
+            "--output-dir", str(tmp_path / "o")] + TINY + ["--batch-size", "9", "--queue-size", "36"]
+    proc = run_script(args, check=False)
+    assert proc.returncode != 0 and "not divisible by the 2 ranks" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("error:")[0]
