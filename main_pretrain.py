@@ -185,6 +185,12 @@ def prepare_output_dir(path):
         raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
 
 
+def ignore_stop_signals(worker_id):
+    """SLURM signals every process of the job: workers leave the saving to their rank."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of its step and exit."""
 
@@ -239,7 +245,8 @@ def main(argv=None):
     sampler = ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
     loader = torch.utils.data.DataLoader(
         PretrainDataset(dataset, pretrain_transform(args), args.seed), batch_size=args.batch_size // world_size,
-        sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True)
+        sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
+        worker_init_fn=ignore_stop_signals)
     steps_per_epoch, total_steps = sampler.steps, sampler.steps * args.epochs
 
     model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
@@ -437,4 +444,11 @@ if __name__ == "__main__":
     try:
         main()
     except UserError as e:
+        du.report_failure(str(e))
         sys.exit(f"error: {e}")
+    except Exception as e:
+        du.report_failure(f"{type(e).__name__}: {str(e)[:300]}")
+        failure = du.first_failure() if du.is_dist() else None
+        if failure and not failure.startswith(f"rank {du.rank()}:"):
+            sys.exit(f"error: stopping because {failure}")  # a peer failed first: its message is the cause
+        raise

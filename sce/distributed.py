@@ -69,6 +69,27 @@ def barrier():
         dist.barrier()
 
 
+def report_failure(message):
+    """Record the first failure in the job's store so the other ranks can name it."""
+    if not is_dist():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set("sce_failure", "", f"rank {dist.get_rank()}: {message}")
+    except Exception:  # the store may be gone with the failing peer
+        pass
+
+
+def first_failure(timeout_s=5):
+    """The failure another rank recorded, or None."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store.get("sce_failure").decode() or None
+    except Exception:
+        return None
+
+
 def cleanup():
     if is_dist():
         dist.destroy_process_group()

@@ -1,0 +1,81 @@
+"""Shared by the detection scripts: read a ResNet trunk from any checkpoint we accept and check it
+is the ImageNet-shaped torchvision ResNet (7x7 stem, bottleneck blocks) a detector expects."""
+import os
+import sys
+
+import torch
+import torchvision
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sce import UserError  # noqa: E402
+from sce.checkpoint import checkpoint_arch, load, trunk_state_dict  # noqa: E402
+
+# blocks per stage (layer1..layer4) -> depth; bottleneck and basic ResNets share some counts
+BOTTLENECK_DEPTHS = {(3, 4, 6, 3): 50, (3, 4, 23, 3): 101, (3, 8, 36, 3): 152}
+BASIC_DEPTHS = {(2, 2, 2, 2): 18, (3, 4, 6, 3): 34}
+
+
+def blocks_per_stage(state, path):
+    counts = []
+    for stage in range(1, 5):
+        ids = {int(k.split(".")[1]) for k in state
+               if k.startswith(f"layer{stage}.") and k.split(".")[1].isdigit()}
+        if not ids:
+            raise UserError(f"{path} holds a ResNet trunk without layer{stage}: not a full ResNet")
+        counts.append(max(ids) + 1)
+    return tuple(counts)
+
+
+def describe(state, path):
+    """'ResNet-18', 'ResNet-50', ... or a description of an unknown layout."""
+    counts = blocks_per_stage(state, path)
+    bottleneck = "layer1.0.conv3.weight" in state
+    depth = (BOTTLENECK_DEPTHS if bottleneck else BASIC_DEPTHS).get(counts)
+    if depth:
+        return f"ResNet-{depth}", depth
+    kind = "bottleneck" if bottleneck else "basic-block"
+    return f"{kind} ResNet with {'-'.join(map(str, counts))} blocks", None
+
+
+def read_resnet_trunk(path, encoder="online", depth=50, depth_flag=False):
+    """The torchvision-style trunk of `path` (no fc), refused unless it has exactly the names and
+    shapes of torchvision's resnet{depth}: ResNet-18/34, ResNeXt, wide and small-input trunks are
+    caught here with a message saying what was found. depth_flag: the caller has a --depth flag
+    the message may suggest."""
+    ckpt = load(path)
+    state = trunk_state_dict(ckpt, path, encoder)
+    arch, small_input = checkpoint_arch(ckpt)
+    conv1 = tuple(state["conv1.weight"].shape)
+    if small_input or conv1[-1] != 7:
+        raise UserError(f"{path} holds a small-input trunk (conv1 {'x'.join(map(str, conv1[-2:]))}, "
+                        "no max-pool; pretrained with --small-input for 32-96 px images): detectors "
+                        "need the ImageNet 7x7 stride-2 stem, pretrain without --small-input")
+    name, found = describe(state, path)
+    if found != depth:
+        hint = f" or pass --depth {found}" if depth_flag and found in (50, 101, 152) else ""
+        raise UserError(f"{path} holds a {name} trunk{f' ({arch})' if arch else ''} but the detector "
+                        f"needs a bottleneck ResNet-{depth}: convert a ResNet-{depth} checkpoint{hint}")
+    with torch.device("meta"):  # shapes only, no memory
+        expected = getattr(torchvision.models, f"resnet{depth}")().state_dict()
+    expected = {k: v.shape for k, v in expected.items() if not k.startswith("fc.")}
+    # old torchvision weights have no num_batches_tracked; BatchNorm loads them as 0 anyway
+    missing = [k for k in expected if k not in state and not k.endswith("num_batches_tracked")]
+    extra = [k for k in state if k not in expected]
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
+    if missing or extra or wrong:
+        k = (wrong or missing or extra)[0]
+        what = (f"{k} has shape {list(state[k].shape)}, torchvision's is {list(expected[k])}" if wrong
+                else f"{k} is missing" if missing else f"unexpected key {k}")
+        raise UserError(f"{path} is not a torchvision ResNet-{depth} trunk ({what}{f'; arch {arch}' if arch else ''}): "
+                        "ResNeXt and wide ResNets are not supported by the detection scripts")
+    for k in expected:
+        state.setdefault(k, torch.zeros((), dtype=torch.long))
+    return {k: state[k] for k in expected}
+
+
+def check_output(path, force):
+    if os.path.exists(path) and not force:
+        raise UserError(f"{path} already exists: pass --force to overwrite it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"output folder {folder} does not exist: create it first")

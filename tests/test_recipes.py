@@ -1,0 +1,49 @@
+"""Every command of RECIPES.md parses through main_pretrain.py's parser and is a valid setting."""
+import os
+import re
+import shlex
+
+import pytest
+
+from conftest import REPO
+import main_pretrain
+
+
+def recipe_commands():
+    """Expand the shell variables and one-line for-loops of the ```bash blocks into argv lists."""
+    text = open(os.path.join(REPO, "RECIPES.md")).read()
+    commands, variables = [], {}
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.strip().splitlines():
+            assign = re.fullmatch(r'(\w+)="(.*)"', line)
+            if assign:
+                variables[assign[1]] = assign[2]
+                continue
+            loop = re.fullmatch(r"for (\w+) in (.*?); do (.*); done", line)
+            values, body = (shlex.split(loop[2]), loop[3]) if loop else ([None], line)
+            for value in values:
+                expanded = body.replace(f"${loop[1]}", value) if loop else body
+                for name, val in variables.items():
+                    expanded = expanded.replace(f"${name}", val)
+                argv = shlex.split(expanded)
+                commands.append(argv[argv.index("main_pretrain.py") + 1:])
+    return commands
+
+
+COMMANDS = recipe_commands()
+
+
+def test_recipes_cover_the_paper():
+    assert len(COMMANDS) >= 4 + 1 + 11 + 10 + 8 + 16 + 3 + 5
+    datasets = {c[c.index("--dataset") + 1] for c in COMMANDS if "--dataset" in c}
+    assert datasets == {"cifar10", "cifar100", "stl10", "tiny-imagenet", "imagenet100"}
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[-60:] for c in COMMANDS])
+def test_recipe_parses(argv):
+    args = main_pretrain.parse_args(argv)
+    keys_per_step = args.batch_size * (2 if args.symmetric else 1)
+    assert args.queue_size % keys_per_step == 0
+    assert args.tau_m <= args.tau or args.loss == "infonce"
+    if "--symmetric" in argv and "--pred-hidden-dims" in argv:  # the state-of-the-art rows
+        assert args.optimizer == "lars" and args.batch_size == 4096 and args.warmup_epochs == 10
