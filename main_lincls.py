@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Evaluate a frozen SCE trunk: linear classifier (default), kNN (--knn) or the many-shot transfer
+logistic regression (--classifier logreg).
+
+    python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
+    torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision.transforms as T
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from sce import UserError
+from sce import distributed as du
+from sce import transfer
+from sce.builder import ARCHS
+from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
+from sce.knn import extract_features, knn_scores, topk_accuracy
+from sce.loader import DATASETS, MEAN, STD, build_dataset, eval_transform
+from sce.optim import build_optimizer, cosine_lr, set_lr
+
+NATIVE_CROP = {"cifar10": 32, "cifar100": 32, "stl10": 96, "tiny-imagenet": 64}  # else 224
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Appends the default to each flag's help, unless it is None / False or the help states it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, "") or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def get_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--data", required=True, help="DATA with train/ and val/ (ImageFolder), the root of a "
+                   "built-in dataset, or a VOCdevkit/VOC2007 tree (--dataset voc07)")
+    p.add_argument("--dataset", default="imagefolder", choices=DATASETS + ["voc07"], help="data layout")
+    p.add_argument("--pretrained", default="", help="main_pretrain.py / main_lincls.py checkpoint or a "
+                   "torchvision ResNet state dict")
+    p.add_argument("--encoder", default="online", choices=["online", "momentum"],
+                   help="which trunk of a main_pretrain.py checkpoint")
+    p.add_argument("--arch", default=None, choices=ARCHS, help="default: the checkpoint's")
+    p.add_argument("--small-input", default=None, action=argparse.BooleanOptionalAction,
+                   help="3x3 stem without max-pool (default: the checkpoint's)")
+    p.add_argument("--classifier", default="linear", choices=["linear", "knn", "logreg"],
+                   help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
+    p.add_argument("--knn", action="store_true", help="same as --classifier knn")
+    p.add_argument("--crop-size", type=int, default=None,
+                   help="default: 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224")
+    p.add_argument("--workers", type=int, default=8, help="data-loading processes per rank")
+    p.add_argument("--output-dir", default="lincls", help="checkpoints, results_*.json, feature cache")
+    p.add_argument("--seed", type=int, default=0, help="head init, shuffling, logreg hold-out")
+    p.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16 on GPU)")
+    # linear classifier
+    p.add_argument("--schedule", default="step", choices=["step", "cosine"],
+                   help="step: lr 30, 100 epochs, x0.1 at --milestones (small datasets, ImageNet100); "
+                   "cosine: lr 0.1 x batch/256, 90 epochs, batch 1024 (ImageNet)")
+    p.add_argument("--epochs", type=int, default=None, help="default: 100 step, 90 cosine")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch; default: 256 step, 1024 cosine")
+    p.add_argument("--lr", type=float, default=None, help="default: 30 step, 0.1 x batch/256 cosine")
+    p.add_argument("--milestones", type=int, nargs="+", default=[60, 80], help="step schedule: lr x0.1 at these epochs")
+    p.add_argument("--warmup-epochs", type=int, default=0, help="linear warmup, cosine schedule only")
+    p.add_argument("--wd", type=float, default=0.0, help="weight decay of fc.weight")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD / LARS momentum")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="optimizer of the head")
+    p.add_argument("--print-freq", type=int, default=10, help="progress line every N steps")
+    p.add_argument("--resume", default="", help="a main_lincls.py checkpoint_last.pth to continue")
+    p.add_argument("--evaluate", action="store_true", help="only evaluate the --resume / --pretrained head")
+    # kNN
+    p.add_argument("--knn-k", type=int, default=200, help="neighbours that vote")
+    p.add_argument("--knn-t", type=float, default=0.07, help="votes weigh exp(cos / t)")
+    # many-shot logistic regression
+    p.add_argument("--metric", default="auto", choices=["auto"] + transfer.METRICS,
+                   help="logreg metric; auto: map11 for voc07, else top1")
+    p.add_argument("--val-fraction", type=float, default=0.2,
+                   help="logreg: share of train held out to pick C (voc07 uses its val split)")
+    p.add_argument("--logreg-c", type=float, default=None, help="skip the C search and use this C")
+    p.add_argument("--logreg-max-iter", type=int, default=1000, help="L-BFGS iterations per fit")
+    return p
+
+
+def main(argv=None):
+    args = get_parser().parse_args(argv)
+    if args.knn:
+        args.classifier = "knn"
+    cosine = args.schedule == "cosine"
+    args.epochs = args.epochs or (90 if cosine else 100)
+    args.batch_size = args.batch_size or (1024 if cosine else 256)
+    args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
+    args.crop_size = args.crop_size or NATIVE_CROP.get(args.dataset, 224)
+    if args.dataset == "voc07" and args.classifier != "logreg":
+        raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
+    source = args.resume or args.pretrained
+    if not source:
+        raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
+
+    rank, world, local_rank, device = du.init()
+    try:
+        trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input,
+                                           "online" if args.resume else args.encoder)
+        args.arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
+        args.small_input = isinstance(trunk.maxpool, nn.Identity)
+        if du.is_main():
+            os.makedirs(args.output_dir, exist_ok=True)
+            print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
+                  f"from {source}", flush=True)
+        torch.manual_seed(args.seed)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        run = {"linear": run_linear, "knn": run_knn, "logreg": run_logreg}[args.classifier]
+        run(args, trunk.to(device), feat_dim, ckpt, source, device, rank, world, local_rank)
+    finally:
+        du.cleanup()
+
+
+def num_classes_of(train_ds, val_ds, args):
+    """Number of classes, checking there are two or more and that val has the same ones."""
+    classes = getattr(train_ds, "classes", None)
+    n = len(classes) if classes else int(max(train_ds.targets)) + 1
+    where = os.path.join(args.data, "train") if args.dataset in ("imagefolder", "imagenet100") else args.data
+    if n < 2:
+        raise UserError(f"{where} holds a single class ({classes[0] if classes else 0}): "
+                        "a classifier needs at least 2 classes (one sub-folder per class)")
+    val_classes = getattr(val_ds, "classes", None)
+    if classes and val_classes and list(val_classes) != list(classes):
+        odd = sorted(set(val_classes) ^ set(classes))
+        raise UserError(f"{os.path.join(args.data, 'val')} and {where} have different classes "
+                        f"(first difference: {odd[0] if odd else 'order'}): both need the same class folders")
+    return n
+
+
+def loader(ds, batch, args, shuffle, sampler=None):
+    return DataLoader(ds, batch_size=batch, shuffle=shuffle, sampler=sampler, num_workers=args.workers,
+                      pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
+
+
+def write_results(args, results):
+    with open(os.path.join(args.output_dir, f"results_{args.classifier}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+# ---------------------------------------------------------------- linear classifier
+
+def check_frozen(model, reference):
+    """Stop if any trunk tensor (weights and BN buffers) differs from `reference`."""
+    for k, v in model.state_dict().items():
+        if k in reference and not torch.equal(v, reference[k]):
+            raise RuntimeError(f"trunk tensor {k} changed during linear training: the trunk must stay "
+                               "frozen (requires_grad False, eval mode); this is a bug, please report it")
+
+
+@torch.no_grad()
+def validate(model, val_loader, device, amp):
+    """(Acc@1, Acc@5, mean loss) over the val images of every rank."""
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
+    for images, target in val_loader:
+        images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        with torch.autocast(device.type, enabled=amp):
+            out = model(images).float()
+        hit = out.topk(min(5, out.shape[1]), dim=1).indices == target[:, None]
+        totals += torch.stack([F.cross_entropy(out, target, reduction="sum").double(),
+                               hit[:, :1].any(1).sum().double(), hit.any(1).sum().double(),
+                               torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
+    totals = du.all_reduce_sum(totals)
+    n = max(totals[3].item(), 1.0)
+    return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
+
+
+def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_rank):
+    if args.batch_size % world:
+        raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
+    small = args.small_input
+    train_ds = build_dataset(args.dataset, args.data, "train", eval_transform(True, args.crop_size, small))
+    val_ds = build_dataset(args.dataset, args.data, "val", eval_transform(False, args.crop_size, small))
+    num_classes = num_classes_of(train_ds, val_ds, args)
+
+    # a torchvision ResNet again: the trunk plus a linear fc, N(0, 0.01) weights and zero bias
+    model.fc = nn.Linear(feat_dim, num_classes).to(device)
+    nn.init.normal_(model.fc.weight, 0.0, 0.01)
+    nn.init.zeros_(model.fc.bias)
+    for name, p in model.named_parameters():
+        p.requires_grad = name.startswith("fc.")
+    if ckpt.get("kind") == "lincls" and (args.resume or args.evaluate):
+        head = {k[3:]: v for k, v in ckpt["model"].items() if k.startswith("fc.")}
+        if head["weight"].shape != model.fc.weight.shape:
+            raise UserError(f"{source} has a {head['weight'].shape[0]}-class head but {args.data} has "
+                            f"{num_classes} classes")
+        model.fc.load_state_dict(head)
+    elif args.resume:
+        raise UserError(f"--resume {source} is not a main_lincls.py checkpoint (kind "
+                        f"{ckpt.get('kind')!r}): pass it as --pretrained")
+    elif args.evaluate:
+        raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --resume or --pretrained")
+    model.eval()  # BN of the trunk keeps its statistics: only fc learns
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
+
+    per_rank = args.batch_size // world
+    # seeded per epoch (also on one process) so a resumed run sees the same order
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = loader(train_ds, per_rank, args, False, sampler)
+    val_loader = loader(Subset(val_ds, range(rank, len(val_ds), world)), per_rank, args, False)
+
+    if args.evaluate:
+        acc1, acc5, loss = validate(model, val_loader, device, args.amp)
+        if du.is_main():
+            print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
+            write_results(args, {"evaluate": source, "acc1": acc1, "acc5": acc5})
+        return
+
+    # DDP only all-reduces parameters that require grad: here those of fc
+    ddp = (DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+           if world > 1 else model)
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.wd, args.momentum)
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
+    start_epoch, best_acc1 = 0, -1.0  # the first evaluated epoch is always the best so far
+    if args.resume:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, best_acc1 = ckpt["epoch"], ckpt.get("best_acc1", 0.0)
+        if du.is_main():
+            print(f"=> resumed from {source} at epoch {start_epoch} (best Acc@1 {best_acc1:.2f})", flush=True)
+
+    steps = len(train_loader)
+    acc1 = acc5 = None
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        if args.schedule == "step":
+            set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
+        tic, seen = time.time(), 0
+        for i, (images, target) in enumerate(train_loader):
+            if args.schedule == "cosine":
+                set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr,
+                                            args.warmup_epochs * steps))
+            images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            with torch.autocast(device.type, enabled=args.amp):
+                loss = F.cross_entropy(ddp(images).float(), target)
+            if not torch.isfinite(loss):
+                raise UserError(f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}: lower --lr")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            seen += len(images) * world
+            if du.is_main() and ((i + 1) % args.print_freq == 0 or i + 1 == steps):
+                lr = optimizer.param_groups[0]["lr"]
+                print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
+                      f"lr {lr:.4g} {seen / (time.time() - tic):.0f} images/s", flush=True)
+                tic, seen = time.time(), 0
+        if epoch == start_epoch:
+            check_frozen(model, reference)
+        acc1, acc5, val_loss = validate(model, val_loader, device, args.amp)
+        is_best = acc1 > best_acc1
+        best_acc1 = max(acc1, best_acc1)
+        if du.is_main():
+            print(f"Epoch {epoch + 1}/{args.epochs}: Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} val loss {val_loss:.4f} "
+                  f"(best Acc@1 {best_acc1:.2f})", flush=True)
+            state = {"kind": "lincls", "epoch": epoch + 1, "args": vars(args), "model": model.state_dict(),
+                     "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                     "best_acc1": best_acc1, "acc1": acc1, "acc5": acc5}
+            save_atomic(state, os.path.join(args.output_dir, "checkpoint_last.pth"))
+            if is_best:
+                save_atomic(state, os.path.join(args.output_dir, "model_best.pth"))
+    if du.is_main():
+        print(f"best Acc@1 {best_acc1:.2f}", flush=True)
+        write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs})
+
+
+# ---------------------------------------------------------------- kNN
+
+def run_knn(args, trunk, feat_dim, ckpt, source, device, rank, world, local_rank):
+    # the memory bank is the train split, the queries the val split, both without augmentation
+    tf = eval_transform(False, args.crop_size, args.small_input)
+    train_ds = build_dataset(args.dataset, args.data, "train", tf)
+    val_ds = build_dataset(args.dataset, args.data, "val", tf)
+    num_classes = num_classes_of(train_ds, val_ds, args)
+    if not du.is_main():  # one pass over the data on one process; no collective follows
+        return
+    with torch.autocast(device.type, enabled=args.amp):
+        bank, bank_labels = extract_features(trunk, loader(train_ds, 256, args, False), device)
+        queries, labels = extract_features(trunk, loader(val_ds, 256, args, False), device)
+    scores = knn_scores(bank, bank_labels, queries, num_classes, args.knn_k, args.knn_t)
+    top1, top5 = topk_accuracy(scores, labels)
+    print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
+          f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
+    write_results(args, {"acc1": top1, "acc5": top5, "k": args.knn_k, "t": args.knn_t})
+
+
+# ---------------------------------------------------------------- many-shot logistic regression
+
+def run_logreg(args, trunk, feat_dim, ckpt, source, device, rank, world, local_rank):
+    # ssl-transfer: bicubic resize of the short side + centre crop, no augmentation
+    tf = T.Compose([T.Resize(args.crop_size, interpolation=T.InterpolationMode.BICUBIC),
+                    T.CenterCrop(args.crop_size), T.ToTensor(), T.Normalize(MEAN, STD)])
+    metric = args.metric if args.metric != "auto" else ("map11" if args.dataset == "voc07" else "top1")
+    if (metric == "map11") != (args.dataset == "voc07"):
+        raise UserError(f"--metric {metric} does not fit --dataset {args.dataset}: map11 is for the "
+                        "multi-label voc07, top1 / mean-per-class for the others")
+    if not du.is_main():  # scikit-learn runs on one process; no collective follows
+        return
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    def features(split, ds):
+        key = transfer.feature_key(source, encoder=args.encoder, arch=args.arch, small_input=args.small_input,
+                                   dataset=args.dataset, data=args.data, split=split, transform=repr(tf), n=len(ds))
+        return transfer.cached_features(args.output_dir, split, key, lambda: transfer.extract_features(
+            trunk, ds, device, 256, args.workers, args.amp, name=f"{split} features"))
+
+    if args.dataset == "voc07":  # its own val split picks C, then train+val is refit
+        split_data = {s: transfer.read_voc07(args.data, s) for s in ("train", "val", "test")}
+        feats = {s: features(s, transfer.ImageList(p, y, tf)) for s, (p, y) in split_data.items()}
+        labels = {s: y for s, (_, y) in split_data.items()}
+        sel_x, sel_y, val_x, val_y = feats["train"], labels["train"], feats["val"], labels["val"]
+        fit_x = np.concatenate([feats["train"], feats["val"]])
+        fit_y = np.concatenate([labels["train"], labels["val"]])
+        test_x, test_y = feats["test"], labels["test"]
+    else:  # a seeded share of train picks C, then all of train is refit; DATA/val is the test set
+        train_ds = build_dataset(args.dataset, args.data, "train", tf)
+        test_ds = build_dataset(args.dataset, args.data, "val", tf)
+        num_classes_of(train_ds, test_ds, args)
+        fit_x, fit_y = features("train", train_ds), np.asarray(train_ds.targets)
+        test_x, test_y = features("val", test_ds), np.asarray(test_ds.targets)
+        tr, va = transfer.holdout_split(fit_y, args.val_fraction, args.seed)
+        sel_x, sel_y, val_x, val_y = fit_x[tr], fit_y[tr], fit_x[va], fit_y[va]
+
+    if args.logreg_c is not None:
+        best_c, history = args.logreg_c, []
+    else:
+        print(f"picking C on {len(val_x)} validation images ({len(transfer.LOGREG_WDS)} wd values)", flush=True)
+        best_c, history = transfer.select_logreg(sel_x, sel_y, val_x, val_y, metric,
+                                                 max_iter=args.logreg_max_iter)
+    score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, best_c, args.logreg_max_iter)
+    print(f"logistic regression (C {best_c:.4g}, refit on {len(fit_x)} images): test {metric} {score:.2f}",
+          flush=True)
+    write_results(args, {"metric": metric, "test": score, "C": best_c,
+                         "val": [{"C": c, "score": s} for c, s in history]})
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")

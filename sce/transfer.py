@@ -1,0 +1,274 @@
+"""Frozen-feature transfer: VOC2007 reader, cached feature extraction, the many-shot logistic
+regression (ssl-transfer protocol) and the low-shot LinearSVC helpers (PCL protocol)."""
+import hashlib
+import json
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from sce import UserError
+from sce.checkpoint import save_atomic
+from sce.loader import load_rgb
+from sce.metrics import average_precision, mean_average_precision, mean_per_class_accuracy, top1_accuracy
+
+VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+               "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
+               "train", "tvmonitor"]
+LOGREG_WDS = np.logspace(-6, 5, 45)  # ssl-transfer: C = 1 / wd
+METRICS = ["top1", "mean-per-class", "map11"]
+
+
+# ---------------------------------------------------------------- VOC2007
+
+def read_voc07(root, split):
+    """Image paths and a (N, 20) int8 label matrix (1 / -1 / 0 = difficult) of a VOC2007 split
+    (trainval, test, train, val), from ImageSets/Main/<class>_<split>.txt."""
+    main = os.path.join(root, "ImageSets", "Main")
+    names, columns = None, []
+    for cls in VOC_CLASSES:
+        path = os.path.join(main, f"{cls}_{split}.txt")
+        if not os.path.isfile(path):
+            raise UserError(f"{path} not found: a VOC2007 tree needs JPEGImages/ and "
+                            f"ImageSets/Main/<class>_{split}.txt for each of the 20 classes")
+        rows = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                parts = line.split()
+                if not parts:
+                    continue
+                if len(parts) != 2 or parts[1] not in ("1", "-1", "0"):
+                    raise UserError(f"{path} line {n}: expected '<image id> <1|-1|0>', got {line.strip()!r}")
+                rows.append(parts)
+        ids = [r[0] for r in rows]
+        if names is None:
+            names = ids
+        elif ids != names:
+            raise UserError(f"{path} lists other images than {VOC_CLASSES[0]}_{split}.txt: "
+                            "every class file of a split must list the same images in the same order")
+        columns.append([int(r[1]) for r in rows])
+    if not names:
+        raise UserError(f"{main}/*_{split}.txt list no image")
+    paths = [os.path.join(root, "JPEGImages", f"{n}.jpg") for n in names]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise UserError(f"{missing[0]} not found ({len(missing)} images of the {split} split missing): "
+                        "expected JPEGImages/<image id>.jpg")
+    return paths, np.array(columns, dtype=np.int8).T
+
+
+class ImageList(Dataset):
+    """Images from a list of paths with their targets (any array indexed by image)."""
+
+    def __init__(self, paths, targets, transform=None):
+        self.paths, self.targets, self.transform = paths, targets, transform
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        img = load_rgb(self.paths[i])
+        return (self.transform(img) if self.transform else img), i
+
+    def path(self, i):
+        return self.paths[i]
+
+
+# ---------------------------------------------------------------- features
+
+@torch.no_grad()
+def extract_features(trunk, dataset, device, batch_size=128, workers=4, amp=False, name="features"):
+    """Global-average-pooled trunk features (not normalised) of a whole dataset, in its order."""
+    trunk.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                        pin_memory=device.type == "cuda")
+    feats, start = [], time.time()
+    for images, _ in loader:
+        with torch.autocast(device.type, enabled=amp):
+            feats.append(trunk(images.to(device, non_blocking=True)).float().cpu())
+    seconds = time.time() - start
+    print(f"{name}: {len(dataset)} images in {seconds:.1f}s ({len(dataset) / max(seconds, 1e-9):.0f} images/s)",
+          flush=True)
+    return torch.cat(feats).numpy()
+
+
+def feature_key(pretrained, **fields):
+    """What the cached features depend on: the checkpoint file (path, mtime, size) and the
+    data / transform / encoder choices passed as fields."""
+    st = os.stat(pretrained)
+    return dict(checkpoint=os.path.abspath(pretrained), mtime_ns=st.st_mtime_ns, size=st.st_size,
+                **{k: (os.path.abspath(v) if k == "data" else v) for k, v in fields.items()})
+
+
+def cached_features(output_dir, split, key, compute):
+    """Features of `split` from output_dir/features_<split>_<hash of key>.pt, computing (and
+    saving) them with compute() when absent. The key goes in the file too and is checked."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = os.path.join(output_dir, f"features_{split}_{digest}.pt")
+    if os.path.isfile(path):
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            if blob.get("key") == json.loads(json.dumps(key, sort_keys=True, default=str)):
+                print(f"{split}: features read from {path}", flush=True)
+                return blob["features"].numpy()
+        except Exception as e:  # a truncated or foreign file: recompute it
+            print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
+    feats = compute()
+    save_atomic({"key": json.loads(json.dumps(key, sort_keys=True, default=str)),
+                 "features": torch.from_numpy(feats)}, path)
+    return feats
+
+
+def l2_normalize_rows(x):
+    """f / (||f|| + 1e-5), the PCL / FAIR normalisation (an all-zero row stays zero)."""
+    return x / (np.linalg.norm(x, axis=1, keepdims=True) + 1e-5)
+
+
+# ---------------------------------------------------------------- many-shot logistic regression
+
+def holdout_split(labels, fraction, seed=0):
+    """(train indices, val indices): a seeded random `fraction` of the images held out for model
+    selection (ssl-transfer: 20% of train when a dataset has no validation split)."""
+    n = len(labels)
+    n_val = int(np.floor(fraction * n))
+    if n_val < 1 or n_val >= n:
+        raise UserError(f"--val-fraction {fraction} leaves {n_val} of {n} training images for validation: "
+                        "need at least one image on each side")
+    perm = np.random.default_rng(seed).permutation(n)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+class LogReg:
+    """L-BFGS logistic regression: multinomial for single-label data, one binary model per class
+    (difficult labels dropped) for a multi-label (N, C) 1 / -1 / 0 matrix. Warm-started across
+    calls, as ssl-transfer does while it sweeps C."""
+
+    def __init__(self, multilabel, max_iter=1000):
+        self.multilabel, self.max_iter, self.models = multilabel, max_iter, None
+
+    def _new(self, C):
+        from sklearn.linear_model import LogisticRegression
+        return LogisticRegression(solver="lbfgs", C=C, max_iter=self.max_iter, warm_start=True)
+
+    def fit(self, x, y, C):
+        from sklearn.exceptions import ConvergenceWarning
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            if not self.multilabel:
+                self.models = self.models or [self._new(C)]
+                self.models[0].set_params(C=C).fit(x, y)
+                return self
+            self.models = self.models or [self._new(C) for _ in range(y.shape[1])]
+            for c, model in enumerate(self.models):
+                keep = y[:, c] != 0
+                target = y[keep, c] > 0
+                if target.all() or not target.any():
+                    raise UserError(f"class #{c} has {'no negative' if target.all() else 'no positive'} "
+                                    "image in the training split: it cannot be learned")
+                model.set_params(C=C).fit(x[keep], target)
+        return self
+
+    def score(self, x, y, metric):
+        if metric == "map11":
+            scores = np.stack([m.decision_function(x) for m in self.models], axis=1)
+            return mean_average_precision(scores, y, eleven_point=True)[0]
+        pred = self.models[0].predict(x)
+        return mean_per_class_accuracy(pred, y) if metric == "mean-per-class" else top1_accuracy(pred, y)
+
+
+def select_logreg(train_x, train_y, val_x, val_y, metric, wds=LOGREG_WDS, max_iter=1000, log=print):
+    """Fit on train for each wd (C = 1 / wd) and score on val: returns (best C, [(C, val score)]).
+    The first best wins on ties."""
+    clf, history = LogReg(metric == "map11", max_iter), []
+    for wd in wds:
+        C = 1.0 / float(wd)
+        history.append((C, clf.fit(train_x, train_y, C).score(val_x, val_y, metric)))
+        log(f"  wd {wd:.3g} (C {C:.3g}): val {metric} {history[-1][1]:.2f}")
+    best = int(np.argmax([s for _, s in history]))
+    return history[best][0], history
+
+
+def fit_eval_logreg(train_x, train_y, test_x, test_y, metric, C, max_iter=1000):
+    return LogReg(metric == "map11", max_iter).fit(train_x, train_y, C).score(test_x, test_y, metric)
+
+
+# ---------------------------------------------------------------- low-shot LinearSVC (PCL)
+
+def lowshot_draw(labels, k, seed):
+    """Training images of one low-shot draw: for each class, k images positive for it, drawn
+    without replacement with `seed` (an int or a list of ints). Returned as a (num_classes, k)
+    index array; concatenated it is the training set (an image drawn for two classes counts
+    twice, as in PCL)."""
+    rng = np.random.default_rng(seed)
+    draws = []
+    for c in range(labels.shape[1]):
+        positives = np.flatnonzero(labels[:, c] == 1)
+        if len(positives) < k:
+            name = VOC_CLASSES[c] if labels.shape[1] == len(VOC_CLASSES) else f"#{c}"
+            raise UserError(f"class {name} has {len(positives)} positive images, fewer than the "
+                            f"{k} shots asked for: lower --shots")
+        draws.append(np.sort(rng.choice(positives, k, replace=False)))
+    return np.stack(draws)
+
+
+def _svm(x, y, cost):
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.svm import LinearSVC
+    # the PCL / FAIR settings: positives weigh twice, squared hinge, dual solver
+    svm = LinearSVC(C=cost, class_weight={1: 2, -1: 1}, intercept_scaling=1.0, penalty="l2",
+                    loss="squared_hinge", tol=1e-4, dual=True, max_iter=2000, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return svm.fit(x, y)
+
+
+def _binary(labels, c):
+    """Rows to train class c on (difficult dropped) and their +1 / -1 targets."""
+    keep = np.flatnonzero(labels[:, c] != 0)
+    y = np.where(labels[keep, c] > 0, 1, -1)
+    if (y > 0).all() or (y < 0).all():
+        name = VOC_CLASSES[c] if labels.shape[1] == len(VOC_CLASSES) else f"#{c}"
+        raise UserError(f"class {name} has only {'positive' if (y > 0).all() else 'negative'} "
+                        "training images in this draw: use more shots or more images")
+    return keep, y
+
+
+def _svm_scores(x, labels, test_x, c, cost):
+    keep, y = _binary(labels, c)
+    return _svm(x[keep], y, cost).decision_function(test_x)
+
+
+def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1):
+    """One LinearSVC per class trained on (x, labels); mAP (percent) and per-class AP on the test set."""
+    from joblib import Parallel, delayed
+    cols = Parallel(n_jobs=jobs)(delayed(_svm_scores)(x, labels, test_x, c, cost)
+                                 for c in range(labels.shape[1]))
+    return mean_average_precision(np.stack(cols, axis=1), test_labels)
+
+
+def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
+    from sklearn.model_selection import StratifiedGroupKFold
+    keep, y = _binary(labels, c)
+    n_splits = min(folds, int((y > 0).sum()), int((y < 0).sum()))
+    if n_splits < 2:
+        raise UserError("--cost-selection cv needs at least 2 positive and 2 negative training "
+                        "images per class: use more shots or --cost-selection test")
+    # grouped by image so that a duplicate never sits on both sides of a split
+    cv = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
+    aps = []
+    for tr, va in cv.split(x[keep], y, groups[keep]):
+        if len(np.unique(y[tr])) < 2 or not (y[va] > 0).any():
+            continue
+        aps.append(average_precision(_svm(x[keep][tr], y[tr], cost).decision_function(x[keep][va]), y[va]))
+    return float(np.mean(aps)) if aps else float("nan")
+
+
+def svm_cv_map(x, labels, cost, groups, folds=3, seed=0, jobs=1):
+    """Cross-validated mAP (percent) of the per-class LinearSVCs on the training draw alone."""
+    from joblib import Parallel, delayed
+    aps = Parallel(n_jobs=jobs)(delayed(_svm_cv_ap)(x, labels, c, cost, folds, seed, groups)
+                                for c in range(labels.shape[1]))
+    return 100.0 * float(np.nanmean(aps))

@@ -1,0 +1,159 @@
+"""main_lowshot.py and the VOC07 helpers: reader, draws, SVM mAP, contract command, bad input."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_script
+from sce import UserError
+from sce.metrics import average_precision
+from sce.transfer import VOC_CLASSES, lowshot_draw, read_voc07, svm_test_map
+from test_lincls import pretrain_once
+
+
+def class_colour(c):
+    return np.random.default_rng(100 + c).integers(30, 226, 3)
+
+
+def write_voc(root, n_trainval=24, n_test=16, size=32, seed=0):
+    """A VOC2007-layout tree: JPEGImages/ and ImageSets/Main/<class>_{trainval,train,val,test}.txt.
+    Image i shows classes i % 20 and (i + 7) % 20 (left / right half); every 5th image also has a
+    difficult (0) class. Returns (root, {split: label matrix})."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(root, "JPEGImages"), exist_ok=True)
+    os.makedirs(os.path.join(root, "ImageSets", "Main"), exist_ok=True)
+    ids = {"trainval": list(range(n_trainval)), "test": list(range(n_trainval, n_trainval + n_test))}
+    ids["train"], ids["val"] = ids["trainval"][0::2], ids["trainval"][1::2]
+    labels = {}
+    for i in ids["trainval"] + ids["test"]:
+        img = np.zeros((size, size, 3), np.float32)
+        img[:, : size // 2] = class_colour(i % 20)
+        img[:, size // 2:] = class_colour((i + 7) % 20)
+        img = np.clip(img + rng.normal(0, 20, img.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(os.path.join(root, "JPEGImages", f"{i:06d}.jpg"))
+    for split, members in ids.items():
+        y = -np.ones((len(members), 20), np.int8)
+        for row, i in enumerate(members):
+            y[row, [i % 20, (i + 7) % 20]] = 1
+            if i % 5 == 0:
+                y[row, (i + 3) % 20] = 0
+        labels[split] = y
+        for c, cls in enumerate(VOC_CLASSES):
+            with open(os.path.join(root, "ImageSets", "Main", f"{cls}_{split}.txt"), "w") as f:
+                f.writelines(f"{i:06d} {y[row, c]:2d}\n" for row, i in enumerate(members))
+    return str(root), labels
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory):
+    return pretrain_once(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def voc(tmp_path_factory):
+    return write_voc(tmp_path_factory.mktemp("voc") / "VOC2007")
+
+
+@pytest.fixture(scope="module")
+def contract_run(pretrained, voc, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowshot_out")
+    # the contract command; 32 px instead of the 256 / 224 defaults keeps it fast on a CPU
+    proc = run_script(["main_lowshot.py", "--data", voc[0], "--pretrained", pretrained, "--arch", "resnet18",
+                       "--shots", "1", "2", "full", "--runs", "2", "--output-dir", str(out),
+                       "--resize", "32", "--crop-size", "32", "--workers", "0"])
+    return out, proc
+
+
+def test_read_voc07(voc):
+    root, labels = voc
+    for split in ("trainval", "test", "train", "val"):
+        paths, y = read_voc07(root, split)
+        assert np.array_equal(y, labels[split]) and all(os.path.isfile(p) for p in paths)
+    assert (labels["trainval"] == 0).any()
+
+
+def test_contract_command(contract_run):
+    out, proc = contract_run
+    with open(out / "lowshot.json") as f:
+        report = json.load(f)
+    assert [r["shots"] for r in report["results"]] == [1, 2, "full"]
+    assert [r["runs"] for r in report["results"]] == [2, 2, 1]
+    for r in report["results"]:
+        assert 0 <= r["mean"] <= 100 and r["std"] >= 0 and r["cost"] in report["costs"]
+        assert r["mean"] == pytest.approx(np.mean(r["maps"])) and r["std"] == pytest.approx(np.std(r["maps"]))
+        # the reported cost is the one with the best mean test mAP over the draws (PCL)
+        means = {c: np.mean([d["test_map"][str(c)] for d in r["draws"]]) for c in report["costs"]}
+        assert r["mean"] == pytest.approx(max(means.values()))
+    assert report["results"][0]["draws"][0]["images"] == 20 and report["results"][2]["draws"][0]["images"] == 24
+    assert "±" in proc.stdout and "optimistic" in proc.stdout
+    assert len([f for f in os.listdir(out) if f.startswith("features_")]) == 2
+
+
+def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc):
+    out, _ = contract_run
+    proc = run_script(["main_lowshot.py", "--data", voc[0], "--pretrained", pretrained, "--shots", "2",
+                       "--runs", "1", "--costs", "0.1", "10", "--cost-selection", "cv", "--cv-folds", "2",
+                       "--output-dir", str(out), "--resize", "32", "--crop-size", "32", "--workers", "0"])
+    assert proc.stdout.count("features read from") == 2
+    with open(out / "lowshot.json") as f:
+        report = json.load(f)
+    (res,) = report["results"]
+    assert report["cost_selection"] == "cv"
+    draw = res["draws"][0]
+    assert draw["cost"] == float(max(draw["cv_map"], key=draw["cv_map"].get))  # best cross-validated cost
+    assert res["maps"] == [draw["map"]]
+
+
+def test_draw_is_seeded_and_has_k_positives_per_class():
+    rng = np.random.default_rng(0)
+    labels = rng.choice([1, -1, -1, 0], size=(60, 20)).astype(np.int8)
+    a = lowshot_draw(labels, 4, [0, 4, 0])
+    assert np.array_equal(a, lowshot_draw(labels, 4, [0, 4, 0]))
+    assert not np.array_equal(a, lowshot_draw(labels, 4, [0, 4, 1]))
+    assert a.shape == (20, 4)
+    for c in range(20):
+        assert len(set(a[c])) == 4 and (labels[a[c], c] == 1).all()
+        assert (labels[a.ravel(), c] == 1).sum() >= 4
+    with pytest.raises(UserError, match="fewer than the 61 shots"):
+        lowshot_draw(labels, 61, 0)
+
+
+def test_svm_map_drops_difficult_and_matches_manual_fit():
+    from sklearn.svm import LinearSVC
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5))
+    y = np.where(x[:, :2] > 0, 1, -1).astype(np.int8)
+    y[:6, 0] = 0
+    tx, ty, vx, vy = x[:25], y[:25], x[25:], y[25:]
+    got, aps = svm_test_map(tx, ty, vx, vy, cost=0.5)
+    expected = []
+    for c in range(2):
+        keep = ty[:, c] != 0
+        svm = LinearSVC(C=0.5, class_weight={1: 2, -1: 1}, loss="squared_hinge", dual=True, max_iter=2000,
+                        random_state=0).fit(tx[keep], ty[keep, c])
+        expected.append(average_precision(svm.decision_function(vx), vy[:, c]))
+    assert aps == pytest.approx(expected) and got == pytest.approx(100 * np.mean(expected))
+
+
+def test_bad_inputs(pretrained, voc, tmp_path):
+    import main_lowshot
+    root, _ = write_voc(tmp_path / "VOC2007", n_trainval=20, n_test=4)
+    missing = os.path.join(root, "ImageSets", "Main", "sheep_test.txt")
+    os.remove(missing)
+    with pytest.raises(UserError, match=f"{re.escape(missing)} not found"):
+        main_lowshot.main(["--data", root, "--pretrained", pretrained, "--output-dir", str(tmp_path)])
+    with pytest.raises(UserError, match="needs --shots >= 2"):
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "1", "--cost-selection", "cv"])
+    help_text = main_lowshot.get_parser().format_help()
+    assert "optimistic" in help_text and "--cost-selection" in help_text
+
+
+def test_voc07_logreg_uses_11point_map(pretrained, voc, tmp_path):
+    run_script(["main_lincls.py", "--data", voc[0], "--dataset", "voc07", "--classifier", "logreg",
+                "--pretrained", pretrained, "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path)])
+    with open(tmp_path / "results_logreg.json") as f:
+        result = json.load(f)
+    assert result["metric"] == "map11" and len(result["val"]) == 45 and 0 <= result["test"] <= 100
