@@ -22,6 +22,12 @@ def save_atomic(obj, path):
     full disk leaves the previous file intact."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    # temp files of writers killed mid-write (SIGKILL, OOM): each is a full checkpoint, they would fill the disk
+    for stale in glob.glob(os.path.join(folder, f".{glob.escape(os.path.basename(path))}.tmp*")):
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
