@@ -217,6 +217,17 @@ class Preemption:
         dist.all_reduce(flag, group=self.group)
         return bool(flag.item())
 
+    def exit(self, writer):
+        """Leave with PREEMPTED_EXIT_CODE once saved. Later signals are ignored: torchrun re-sends
+        SIGTERM to a rank whose peer exited first, and Python restores the default (fatal) handler
+        while shutting down, which turned 75 into death by SIGTERM."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        if writer:
+            writer.close()  # flush this run's last scalars
+        du.cleanup()
+        sys.exit(PREEMPTED_EXIT_CODE)
+
 
 def state_dict(model, optimizer, scaler, args, epoch, step_in_epoch, global_step):
     return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
@@ -252,7 +263,10 @@ def main(argv=None):
     loader = torch.utils.data.DataLoader(
         PretrainDataset(dataset, pretrain_transform(args), args.seed), batch_size=args.batch_size // world_size,
         sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
-        worker_init_fn=ignore_stop_signals)
+        worker_init_fn=ignore_stop_signals,
+        # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
+        # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
+        generator=torch.Generator().manual_seed(args.seed))
     steps_per_epoch, total_steps = sampler.steps, sampler.steps * args.epochs
 
     model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
@@ -321,8 +335,7 @@ def main(argv=None):
                 print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; "
                       f"exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
             du.barrier()
-            du.cleanup()
-            sys.exit(PREEMPTED_EXIT_CODE)
+            preemption.exit(writer)
         start_step = 0
         epochs_done_here += 1
         if rank == 0:
@@ -340,8 +353,7 @@ def main(argv=None):
         if preemption.requested() and epoch + 1 < args.epochs:
             if rank == 0:
                 print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
-            du.cleanup()
-            sys.exit(PREEMPTED_EXIT_CODE)
+            preemption.exit(writer)
         if args.stop_after_epochs and epochs_done_here >= args.stop_after_epochs and epoch + 1 < args.epochs:
             if rank == 0:
                 print(f"=> stopping after {epochs_done_here} epoch(s) as asked; resume to continue", flush=True)

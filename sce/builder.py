@@ -96,15 +96,17 @@ class SCE(nn.Module):
 
     @torch.no_grad()
     def enqueue(self, keys):
-        """FIFO update with the keys of every rank; the queue is identical on all ranks."""
+        """FIFO update with the keys of every rank; the queue is identical on all ranks. Index
+        arithmetic stays on the device (no host sync); non-finite keys leave the queue unchanged."""
         keys = du.all_gather(keys)
         size = self.queue.shape[0]
         if size % keys.shape[0]:
             raise ValueError(f"queue size {size} is not a multiple of the {keys.shape[0]} keys "
                              "enqueued per step")
-        ptr = int(self.queue_ptr)
-        self.queue[ptr:ptr + keys.shape[0]] = keys
-        self.queue_ptr.fill_((ptr + keys.shape[0]) % size)
+        idx = self.queue_ptr + torch.arange(keys.shape[0], device=keys.device)
+        keys = torch.where(torch.isfinite(keys).all(), keys, self.queue[idx])
+        self.queue.index_copy_(0, idx, keys.to(self.queue.dtype))
+        self.queue_ptr.add_(keys.shape[0]).remainder_(size)
 
     def online(self, x):
         return F.normalize(self.predictor(self.projector(self.encoder(x))).float(), dim=1)

@@ -130,3 +130,11 @@ def test_shuffle_bn_unshuffles_keys():
     keys = model.target(x)  # per-split BN statistics: differs from full-batch BN
     model.shuffle_bn = False
     assert not torch.allclose(keys, model.target(x), atol=1e-4)
+
+
+def test_non_finite_keys_leave_queue_unchanged():
+    model = small_model(queue_size=12)
+    before = model.queue.clone()
+    bad = torch.full((4, 16), float("nan"))
+    model.enqueue(bad)
+    assert torch.equal(model.queue, before) and int(model.queue_ptr) == 4  # the slot is skipped, not poisoned
