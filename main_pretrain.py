@@ -10,6 +10,7 @@ the command of every setting of the paper.
 import argparse
 import datetime
 import functools
+import itertools
 import math
 import os
 import random
@@ -393,24 +394,29 @@ def train_one_epoch(epoch, start_step, args, model, ddp_model, optimizer, scaler
         if args.channels_last:
             views = [v.to(memory_format=torch.channels_last) for v in views]
 
+        if scaler is None:  # snapshot to undo a non-finite step (fp16: the scaler skips it)
+            backup = [t.detach().clone() for t in step_state(model, optimizer)]
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss, (q, k, queue) = ddp_model(views)
         optimizer.zero_grad(set_to_none=True)
-        if scaler:  # fp16: the scaler skips steps with inf/nan gradients
+        if scaler:
             scaler.scale(loss).backward()
-            finite = torch.isfinite(loss.detach())
+            scaler.unscale_(optimizer)
+            finite = grads_finite(params)
             scaler.step(optimizer)
             scaler.update()
+            model.update_momentum(m)
         else:
             loss.backward()
-            # gradients are averaged over ranks, so a non-finite loss anywhere shows in every rank's
-            # gradient norm; such a step gets zero gradients, decided on the device (no host sync)
-            grads = [p.grad for p in params if p.grad is not None]
-            finite = torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
-            for grad in grads:
-                grad.copy_(torch.where(finite, grad, torch.zeros((), device=device)))
+            finite = grads_finite(params)
             optimizer.step()
-        model.update_momentum(m)
+            model.update_momentum(m)
+            # undo the whole step where it was non-finite, on the device (no host sync); state the
+            # step created (first momentum buffers) has no backup and restarts from zero
+            zero = torch.zeros((), device=device)
+            with torch.no_grad():
+                for t, b in itertools.zip_longest(step_state(model, optimizer), backup):
+                    t.copy_(torch.where(finite, t, zero if b is None else b))
         nonfinite.copy_(torch.where(finite, torch.zeros_like(nonfinite), nonfinite + 1))  # on device, no sync
         loss_sum += torch.where(finite, loss.detach().float(), torch.zeros((), device=device))
         window_steps += 1
@@ -438,6 +444,22 @@ def train_one_epoch(epoch, start_step, args, model, ddp_model, optimizer, scaler
         if preemption.requested() and i + 1 < steps_per_epoch:
             return i + 1
     return None
+
+
+def step_state(model, optimizer):
+    """Every float tensor a training step changes, but the queue (which skips non-finite keys
+    itself): both branches' weights and BN statistics, and the optimizer's buffers."""
+    tensors = [t for name, t in model.state_dict(keep_vars=True).items()
+               if t.is_floating_point() and name != "queue"]
+    return tensors + [v for state in optimizer.state.values() for v in state.values()
+                      if torch.is_tensor(v) and v.is_floating_point()]
+
+
+def grads_finite(params):
+    """Gradients are averaged over ranks, so a non-finite loss on any rank shows in every rank's
+    gradient norm: the same verdict everywhere, as a device tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
 
 
 def note_bad_images(bad, reasons, sampler, dataset, bad_seen, max_bad):

@@ -367,6 +367,26 @@ def test_transient_nan_is_skipped(small, tmp_path, monkeypatch, models):
     assert ckpt["epoch"] == 2 and all_finite(ckpt["model"]) and all_finite(models[0].state_dict())
 
 
+def test_non_finite_steps_change_nothing(small, tmp_path, monkeypatch, models):
+    # every loss NaN: the steps are undone exactly, so weights and BN statistics of both branches
+    # stay those of initialisation, and the optimizer's buffers stay zero
+    monkeypatch.setattr(main_pretrain, "build_criterion", nan_losses(range(1, 100)))
+    initial = {}
+    real_init = main_pretrain.build_optimizer
+
+    def record(name, model, *a, **k):
+        initial.update({n: t.detach().clone() for n, t in model.state_dict().items()})
+        return real_init(name, model, *a, **k)
+    monkeypatch.setattr(main_pretrain, "build_optimizer", record)
+    pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100)
+    ckpt = load(tmp_path / "checkpoint_last.pth")
+    for name, value in ckpt["model"].items():
+        if name not in ("queue", "queue_ptr") and not name.endswith("num_batches_tracked"):
+            assert torch.equal(value, initial[name]), name
+    buffers = [v for state in ckpt["optimizer"]["state"].values() for v in state.values() if torch.is_tensor(v)]
+    assert buffers and all(not b.any() for b in buffers)
+
+
 # ---------------------------------------------------------------- 5. a failing or hung rank
 
 def first_image_of(rank, root, world=2, batch=8):
