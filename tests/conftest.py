@@ -50,3 +50,16 @@ def run_script(args, cwd=REPO, timeout=300, env=None, check=True):
 @pytest.fixture
 def imagefolder(tmp_path):
     return write_imagefolder(tmp_path / "data")
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory):
+    """OUT/checkpoint_last.pth of one tiny main_pretrain.py run, shared by the evaluation tests."""
+    out = tmp_path_factory.getbasetemp() / "pretrain_out"
+    ckpt = out / "checkpoint_last.pth"
+    if not ckpt.exists():
+        data = write_imagefolder(tmp_path_factory.getbasetemp() / "pretrain_data", 3, 8, 32)
+        run_script(["main_pretrain.py", "--data", data, "--arch", "resnet18", "--small-input", "--crop-size", "32",
+                    "--epochs", "1", "--batch-size", "16", "--queue-size", "64", "--workers", "0",
+                    "--output-dir", str(out)])
+    return str(ckpt)

@@ -17,24 +17,6 @@ from sce.metrics import average_precision_11point, top1_accuracy
 from sce.transfer import select_logreg
 
 
-def pretrain_once(tmp_path_factory):
-    """OUT/checkpoint_last.pth of one tiny main_pretrain.py run per test session (shared by
-    test_lincls.py and test_lowshot.py through the session's base temp folder)."""
-    out = tmp_path_factory.getbasetemp() / "pretrain_out"
-    ckpt = out / "checkpoint_last.pth"
-    if not ckpt.exists():
-        data = write_imagefolder(tmp_path_factory.getbasetemp() / "pretrain_data", 3, 8, 32)
-        run_script(["main_pretrain.py", "--data", data, "--arch", "resnet18", "--small-input", "--crop-size", "32",
-                    "--epochs", "1", "--batch-size", "16", "--queue-size", "64", "--workers", "0",
-                    "--output-dir", str(out)])
-    return str(ckpt)
-
-
-@pytest.fixture(scope="session")
-def pretrained(tmp_path_factory):
-    return pretrain_once(tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_imagefolder(tmp_path_factory.mktemp("lincls") / "data", 3, 8, 32)

@@ -11,7 +11,6 @@ from conftest import run_script
 from sce import UserError
 from sce.metrics import average_precision
 from sce.transfer import VOC_CLASSES, lowshot_draw, read_voc07, svm_test_map
-from test_lincls import pretrain_once
 
 
 def class_colour(c):
@@ -45,11 +44,6 @@ def write_voc(root, n_trainval=24, n_test=16, size=32, seed=0):
             with open(os.path.join(root, "ImageSets", "Main", f"{cls}_{split}.txt"), "w") as f:
                 f.writelines(f"{i:06d} {y[row, c]:2d}\n" for row, i in enumerate(members))
     return str(root), labels
-
-
-@pytest.fixture(scope="session")
-def pretrained(tmp_path_factory):
-    return pretrain_once(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
