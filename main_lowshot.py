@@ -28,6 +28,7 @@ from sce import transfer
 from sce.builder import ARCHS
 from sce.checkpoint import checkpoint_arch, load_trunk
 from sce.loader import MEAN, STD
+from main_lincls import HelpFormatter
 
 
 def shots_arg(value):
@@ -40,15 +41,6 @@ def shots_arg(value):
     if k < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of shots or 'full', got {value!r}")
     return k
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Appends the default to each flag's help, unless it is None / False or the help states it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, "") or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def get_parser():

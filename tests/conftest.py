@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,17 @@ def write_imagefolder(root, num_classes=3, per_class=8, size=32, splits=("train"
             for i in range(per_class):
                 Image.fromarray(class_image(c, rng, size)).save(os.path.join(folder, f"{i}.png"))
     return str(root)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_state(a, b):
+    """Every tensor equal, bit for bit."""
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 def run_script(args, cwd=REPO, timeout=300, env=None, check=True):

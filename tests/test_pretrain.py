@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_script, write_imagefolder
+from conftest import assert_same_state, load, run_script, write_imagefolder
 from sce import UserError
 
 TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
@@ -14,16 +14,6 @@ TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-siz
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_imagefolder(tmp_path_factory.mktemp("pretrain") / "data", num_classes=3, per_class=6, size=20)
-
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def test_resume_equals_uninterrupted_run(data, tmp_path):

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, write_imagefolder
+from conftest import REPO, assert_same_state, load, write_imagefolder
 import main_pretrain
 from sce import UserError, checkpoint
 from sce.builder import SCE
@@ -52,16 +52,6 @@ def in_process_hygiene():
     torch.set_num_threads(threads)
     for s, handler in saved.items():
         signal.signal(s, handler)
-
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def pretrain(data, out, *extra):
