@@ -307,6 +307,8 @@ def main(argv=None):
 
     ddp_model = model
     if world_size > 1:
+        # no buffer broadcast each step: the queue is identical on all ranks by construction (all_gather),
+        # and BN running statistics stay rank-local, as in MoCo (rank 0's are saved)
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     writer = None

@@ -4,8 +4,9 @@ import torch.nn.functional as F
 
 
 @torch.no_grad()
-def extract_features(trunk, loader, device, channels_last=False):
-    """l2-normalised trunk features and labels of a whole loader (trunk in eval mode)."""
+def extract_features(trunk, loader, device, channels_last=False, normalize=True):
+    """Trunk features (l2-normalised unless normalize=False) and labels of a whole loader, in
+    its order, with the trunk in eval mode."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
@@ -13,7 +14,8 @@ def extract_features(trunk, loader, device, channels_last=False):
         images = images.to(device, non_blocking=True)
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
-        feats.append(F.normalize(trunk(images).float(), dim=1).cpu())
+        out = trunk(images).float()
+        feats.append((F.normalize(out, dim=1) if normalize else out).cpu())
         labels.append(torch.as_tensor(targets))
     trunk.train(was_training)
     return torch.cat(feats), torch.cat(labels)

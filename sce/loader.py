@@ -11,6 +11,8 @@ from torchvision.datasets import ImageFolder
 
 from sce import UserError
 
+# ImageNet statistics for every dataset (SPEC is silent on per-dataset statistics); keeping one
+# normalisation lets any checkpoint be evaluated or transferred without knowing its data
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
 DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from sce import UserError
+from sce import UserError, knn
 from sce.checkpoint import save_atomic
 from sce.loader import load_rgb
 from sce.metrics import average_precision, mean_average_precision, mean_per_class_accuracy, top1_accuracy
@@ -79,20 +79,17 @@ class ImageList(Dataset):
 
 # ---------------------------------------------------------------- features
 
-@torch.no_grad()
 def extract_features(trunk, dataset, device, batch_size=128, workers=4, amp=False, name="features"):
     """Global-average-pooled trunk features (not normalised) of a whole dataset, in its order."""
-    trunk.eval()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda")
-    feats, start = [], time.time()
-    for images, _ in loader:
-        with torch.autocast(device.type, enabled=amp):
-            feats.append(trunk(images.to(device, non_blocking=True)).float().cpu())
+    start = time.time()
+    with torch.autocast(device.type, enabled=amp):
+        feats, _ = knn.extract_features(trunk, loader, device, normalize=False)
     seconds = time.time() - start
     print(f"{name}: {len(dataset)} images in {seconds:.1f}s ({len(dataset) / max(seconds, 1e-9):.0f} images/s)",
           flush=True)
-    return torch.cat(feats).numpy()
+    return feats.numpy()
 
 
 def feature_key(pretrained, **fields):

@@ -1,5 +1,6 @@
 """main_pretrain.py as users run it: contract commands, exact resume, multi-rank equivalence, bad input."""
 import os
+import re
 
 import pytest
 import torch
@@ -71,8 +72,9 @@ def test_methods_and_options_run(data, tmp_path):
     assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak"
     assert int(ckpt["model"]["queue_ptr"]) == 32  # symmetric: 2 x 8 keys per step, 2 steps
     assert any(k.startswith("predictor.") for k in ckpt["model"])
-    run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "m"),
-                "--method", "moco"] + TINY)
+    proc = run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "m"),
+                       "--method", "moco", "--knn-data", data, "--knn-every", "1"] + TINY)
+    assert re.search(r"=> epoch 1: kNN top-1 \d+\.\d+ top-5 \d+\.\d+", proc.stdout)  # the kNN monitor
     args = load(tmp_path / "m" / "checkpoint_last.pth")["args"]
     assert args["tau"] == 0.2 and args["loss"] == "infonce" and args["target_aug"] == "strong"
     run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "c"),
