@@ -26,7 +26,7 @@ from sce.builder import ARCHS
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
 from sce.knn import extract_features, knn_scores, topk_accuracy
 from sce.loader import DATASETS, MEAN, STD, build_dataset, eval_transform
-from sce.optim import build_optimizer, cosine_lr, set_lr
+from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
 
 NATIVE_CROP = {"cifar10": 32, "cifar100": 32, "stl10": 96, "tiny-imagenet": 64}  # else 224
 
@@ -225,7 +225,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
     scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
     start_epoch, best_acc1 = 0, -1.0  # the first evaluated epoch is always the best so far
     if args.resume:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"])
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         start_epoch, best_acc1 = ckpt["epoch"], ckpt.get("best_acc1", 0.0)

@@ -8,9 +8,9 @@ Defaults are the paper's ImageNet recipe against the baselines (SPEC section 4);
 the command of every setting of the paper.
 """
 import argparse
+import dataclasses
 import datetime
 import functools
-import itertools
 import math
 import os
 import random
@@ -23,11 +23,14 @@ import torch.distributed as dist
 
 from sce import UserError, checkpoint, losses
 from sce import distributed as du
+from sce.augment import AUGMENTATIONS, pretrain_views
 from sce.builder import ARCHS, SCE, momentum_at
+from sce.device_augment import DeviceViews
+from sce.engine import Training, check_compile, compile_model, train_step
 from sce.knn import knn_accuracy
-from sce.loader import (AUGMENTATIONS, DATASETS, PretrainDataset, ResumableSampler, build_dataset,
-                        digits_imagefolder, eval_transform, pretrain_transform)
-from sce.optim import build_optimizer, cosine_lr, set_lr
+from sce.loader import (DATASETS, PretrainDataset, ResumableSampler, build_dataset, digits_imagefolder,
+                        eval_transform)
+from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
 
@@ -54,6 +57,9 @@ g.add_argument("--dataset", default="imagefolder", choices=DATASETS,
                help="format of --data (default: imagefolder, DIR/train used when present)")
 g.add_argument("--class-list", help="class-id file for --dataset imagenet100 (default: the paper's 100 classes)")
 g.add_argument("--workers", type=int, default=8, help="data-loading processes per rank (default: 8)")
+g.add_argument("--augment", choices=["cpu", "gpu"],
+               help="where the photometric augmentations run: in the loader workers (cpu), or batched on the "
+                    "training device (gpu; the workers only decode, crop and flip) (default: gpu on CUDA, else cpu)")
 g.add_argument("--crop-size", type=int, default=224, help="global view size in pixels (default: 224)")
 g.add_argument("--min-scale", type=float, default=0.2, help="random resized crop min scale of global views (default: 0.2)")
 g.add_argument("--online-aug", choices=list(AUGMENTATIONS), help="augmentation of online view 1 (default: per method, strong)")
@@ -100,6 +106,8 @@ g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup bef
 g = parser.add_argument_group("runtime")
 g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="mixed precision (default: none)")
 g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
+g.add_argument("--compile", action="store_true",
+               help="torch.compile the encoders and heads (checkpoints stay interchangeable with eager runs)")
 g.add_argument("--seed", type=int, default=0, help="(default: 0)")
 g.add_argument("--output-dir", default=os.path.join("runs", "sce"), help="checkpoints and TensorBoard logs (default: runs/sce)")
 g.add_argument("--resume", default="auto", help="auto: continue from OUTPUT_DIR/checkpoint_last.pth if present; "
@@ -149,6 +157,8 @@ def check_args(args):
         raise UserError("--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry")
     if args.batch_size <= 0 or args.epochs <= 0 or args.queue_size <= 0:
         raise UserError("--batch-size, --epochs and --queue-size must be positive")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0 (got {args.seed})")
 
 
 def build_criterion(args):
@@ -241,6 +251,7 @@ def state_dict(model, optimizer, scaler, args, epoch, step_in_epoch, global_step
 def main(argv=None):
     args = parse_args(argv)
     rank, world_size, local_rank, device = du.init(timeout_s=args.dist_timeout)
+    args.augment = args.augment or ("gpu" if device.type == "cuda" else "cpu")
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: "
                         f"use a multiple of {world_size}")
@@ -250,8 +261,12 @@ def main(argv=None):
                         f"enqueued per step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
     if args.sync_bn and world_size > 1 and device.type != "cuda":
         raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
+    if args.compile:
+        check_compile(device)
     if rank == 0:
         prepare_output_dir(args.output_dir)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -259,16 +274,15 @@ def main(argv=None):
     if len(dataset) < args.batch_size:
         raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
                         "lower --batch-size")
-    max_bad = args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000)
     sampler = ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
+    views = pretrain_views(args, on_device=args.augment == "gpu")
     loader = torch.utils.data.DataLoader(
-        PretrainDataset(dataset, pretrain_transform(args), args.seed), batch_size=args.batch_size // world_size,
+        PretrainDataset(dataset, views, args.seed), batch_size=args.batch_size // world_size,
         sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
-        worker_init_fn=ignore_stop_signals,
+        worker_init_fn=ignore_stop_signals, persistent_workers=args.workers > 0,
         # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
         # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
         generator=torch.Generator().manual_seed(args.seed))
-    steps_per_epoch, total_steps = sampler.steps, sampler.steps * args.epochs
 
     model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
                 args.proj_last_bn, args.pred_hidden_dims, args.queue_size, args.symmetric, args.shuffle_bn,
@@ -281,36 +295,11 @@ def main(argv=None):
     base_lr = args.lr * args.batch_size / 256
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
+    start_epoch, start_step = resume(args, model, optimizer, scaler, rank)
+    if args.compile:
+        compile_model(model)
 
-    start_epoch, start_step = 0, 0
-    resume = find_resume(args)
-    if resume:
-        ckpt = checkpoint.load(resume)
-        if ckpt.get("kind") != "pretrain":
-            raise UserError(f"{resume} is not a main_pretrain.py checkpoint")
-        saved = ckpt["args"]
-        for key in RESUME_MUST_MATCH:
-            if saved.get(key) != getattr(args, key):
-                raise UserError(f"{resume} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
-                                f"not {getattr(args, key)}: pass the same value or another --output-dir")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if scaler and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        random.setstate(ckpt["rng"]["python"])
-        if torch.cuda.is_available() and len(ckpt["rng"]["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        start_epoch, start_step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
-        if rank == 0:
-            print(f"=> resuming from {resume}: epoch {start_epoch}, step {start_step} of the epoch", flush=True)
-
-    ddp_model = model
-    if world_size > 1:
-        # no buffer broadcast each step: the queue is identical on all ranks by construction (all_gather),
-        # and BN running statistics stay rank-local, as in MoCo (rank 0's are saved)
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
     writer = None
     if rank == 0:
         try:
@@ -320,21 +309,22 @@ def main(argv=None):
             print("tensorboard is not installed: no TensorBoard scalars", flush=True)
     preemption = Preemption(world_size, args.dist_timeout)
     if rank == 0:
-        print(f"=> {args.method} on {len(dataset)} images, {steps_per_epoch} steps/epoch, "
-              f"batch {args.batch_size} on {world_size} rank(s), lr {base_lr:.4g}", flush=True)
+        print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
+              f"on {world_size} rank(s), lr {base_lr:.4g}, augment on {args.augment}", flush=True)
 
-    run = dict(args=args, model=model, ddp_model=ddp_model, optimizer=optimizer, scaler=scaler, loader=loader,
-               sampler=sampler, device=device, writer=writer, preemption=preemption, base_lr=base_lr,
-               steps_per_epoch=steps_per_epoch, total_steps=total_steps, max_bad=max_bad, bad_seen={},
-               nonfinite=torch.zeros((), device=device))  # consecutive non-finite steps, across epochs
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+    run = Run(args, Training(model, ddp_model, optimizer, scaler, amp_dtype), loader, sampler, device, writer,
+              preemption, base_lr, sampler.steps, sampler.steps * args.epochs,
+              max_bad=args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000),
+              nonfinite=torch.zeros((), device=device))
     epochs_done_here = 0
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_step)
-        stopped_at = train_one_epoch(epoch, start_step, **run)
+        stopped_at = train_one_epoch(run, epoch, start_step)
         if stopped_at is not None:  # preempted mid-epoch: save the exact position and leave
             if rank == 0:
                 checkpoint.save(state_dict(model, optimizer, scaler, args, epoch, stopped_at,
-                                           epoch * steps_per_epoch + stopped_at), args.output_dir)
+                                           epoch * run.steps_per_epoch + stopped_at), args.output_dir)
                 print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; "
                       f"exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
             du.barrier()
@@ -343,7 +333,7 @@ def main(argv=None):
         epochs_done_here += 1
         if rank == 0:
             done = epoch + 1
-            checkpoint.save(state_dict(model, optimizer, scaler, args, done, 0, done * steps_per_epoch),
+            checkpoint.save(state_dict(model, optimizer, scaler, args, done, 0, done * run.steps_per_epoch),
                             args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
                             keep=args.keep_checkpoints)
             if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
@@ -369,6 +359,33 @@ def main(argv=None):
     du.cleanup()
 
 
+def resume(args, model, optimizer, scaler, rank):
+    """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from."""
+    path = find_resume(args)
+    if not path:
+        return 0, 0
+    ckpt = checkpoint.load(path)
+    if ckpt.get("kind") != "pretrain":
+        raise UserError(f"{path} is not a main_pretrain.py checkpoint")
+    saved = ckpt["args"]
+    for key in RESUME_MUST_MATCH:
+        if saved.get(key) != getattr(args, key):
+            raise UserError(f"{path} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
+                            f"not {getattr(args, key)}: pass the same value or another --output-dir")
+    model.load_state_dict(ckpt["model"])
+    load_optimizer_state(optimizer, ckpt["optimizer"])
+    if scaler and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    if torch.cuda.is_available() and len(ckpt["rng"]["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
+    if rank == 0:
+        print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
+    return epoch, step
+
+
 def build_knn_sets(args):
     """(train loader, val loader, number of classes) of the kNN monitor, without augmentation."""
     small = args.small_input
@@ -378,90 +395,76 @@ def build_knn_sets(args):
     return make(train), make(val), len(train.classes)
 
 
-def train_one_epoch(epoch, start_step, args, model, ddp_model, optimizer, scaler, loader, sampler, device,
-                    writer, preemption, base_lr, steps_per_epoch, total_steps, max_bad, bad_seen, nonfinite):
+@dataclasses.dataclass
+class Run:
+    """What train_one_epoch needs besides the epoch."""
+    args: argparse.Namespace
+    training: Training
+    loader: torch.utils.data.DataLoader
+    sampler: ResumableSampler
+    device: torch.device
+    writer: object  # TensorBoard SummaryWriter on rank 0, else None
+    preemption: Preemption
+    base_lr: float
+    steps_per_epoch: int
+    total_steps: int
+    max_bad: int  # unreadable images tolerated
+    nonfinite: torch.Tensor  # consecutive non-finite steps (device), carried across epochs
+    bad_seen: dict = dataclasses.field(default_factory=dict)  # index -> reason of each unreadable image
+
+
+def train_one_epoch(run, epoch, start_step):
     """One epoch from `start_step`; returns the step to resume from if preempted, else None."""
-    ddp_model.train()
-    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
-    params = [p for p in model.parameters() if p.requires_grad]
+    args, device = run.args, run.device
+    run.training.ddp_model.train()
     loss_sum = torch.zeros((), device=device)
     window_start, window_steps = time.time(), 0
-    for i, (views, bad, reasons) in enumerate(loader, start=start_step):
-        step = epoch * steps_per_epoch + i
-        lr = cosine_lr(step, total_steps, base_lr, round(args.warmup_epochs * steps_per_epoch))
-        set_lr(optimizer, lr)
-        m = momentum_at(step, total_steps, args.ema_momentum, args.ema_schedule)
-        note_bad_images(bad, reasons, sampler, loader.dataset, bad_seen, max_bad)
-        views = [v.to(device, non_blocking=True) for v in views]
-        if args.channels_last:
-            views = [v.to(memory_format=torch.channels_last) for v in views]
-
-        if scaler is None:  # snapshot to undo a non-finite step (fp16: the scaler skips it)
-            backup = [t.detach().clone() for t in step_state(model, optimizer)]
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss, (q, k, queue) = ddp_model(views)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            finite = grads_finite(params)
-            scaler.step(optimizer)
-            scaler.update()
-            model.update_momentum(m)
-        else:
-            loss.backward()
-            finite = grads_finite(params)
-            optimizer.step()
-            model.update_momentum(m)
-            # undo the whole step where it was non-finite, on the device (no host sync); state the
-            # step created (first momentum buffers) has no backup and restarts from zero
-            zero = torch.zeros((), device=device)
-            with torch.no_grad():
-                for t, b in itertools.zip_longest(step_state(model, optimizer), backup):
-                    t.copy_(torch.where(finite, t, zero if b is None else b))
-        nonfinite.copy_(torch.where(finite, torch.zeros_like(nonfinite), nonfinite + 1))  # on device, no sync
-        loss_sum += torch.where(finite, loss.detach().float(), torch.zeros((), device=device))
+    batches = DeviceViews(run.loader, device, run.training.amp_dtype, args.channels_last)
+    for i, (views, bad, reasons) in enumerate(batches, start=start_step):
+        step = epoch * run.steps_per_epoch + i
+        lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
+        set_lr(run.training.optimizer, lr)
+        m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
+        note_bad_images(bad, reasons, run.sampler, run.loader.dataset, run.bad_seen, run.max_bad)
+        loss, finite, (q, k, queue) = train_step(run.training, views, m)
+        run.nonfinite.copy_(torch.where(finite, torch.zeros_like(run.nonfinite), run.nonfinite + 1))  # no sync
+        loss_sum += torch.where(finite, loss.float(), torch.zeros((), device=device))
         window_steps += 1
 
-        if (i + 1) % args.print_freq == 0 or i + 1 == steps_per_epoch:
-            if nonfinite.item() > args.max_nonfinite_steps:
-                raise UserError(f"{int(nonfinite.item())} consecutive non-finite losses at step {step}: the lr "
+        if (i + 1) % args.print_freq == 0 or i + 1 == run.steps_per_epoch:
+            if run.nonfinite.item() > args.max_nonfinite_steps:
+                raise UserError(f"{int(run.nonfinite.item())} consecutive non-finite losses at step {step}: the lr "
                                 f"({lr:.3g}) is likely too high{' or fp16 overflows (try --amp bf16)' if args.amp == 'fp16' else ''}; "
                                 "the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            img_s = window_steps * args.batch_size / max(elapsed, 1e-9)
-            eta = (total_steps - step - 1) * elapsed / window_steps
-            mean_loss = loss_sum.item() / window_steps
+            stats = dict(loss=loss_sum.item() / window_steps, lr=lr, momentum=m,
+                         images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
+                         data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
-                print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps_per_epoch}] loss {mean_loss:.4f} "
-                      f"lr {lr:.4g} m {m:.5f} {img_s:.1f} img/s eta {format_eta(eta)}", flush=True)
-                if writer:
-                    terms = losses.loss_terms(q, k, queue, args.tau, args.tau_m)
-                    for name, value in [("loss", mean_loss), ("lr", lr), ("momentum", m), ("images_per_s", img_s)]:
-                        writer.add_scalar(f"train/{name}", value, step)
-                    for name, value in terms.items():
-                        writer.add_scalar(f"terms/{name}", value.item(), step)
+                log_progress(run, epoch, i, step, stats, elapsed / window_steps, (q, k, queue))
             loss_sum.zero_()
-            window_start, window_steps = time.time(), 0
-        if preemption.requested() and i + 1 < steps_per_epoch:
+            window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
+        if run.preemption.requested() and i + 1 < run.steps_per_epoch:
             return i + 1
     return None
 
 
-def step_state(model, optimizer):
-    """Every float tensor a training step changes, but the queue (which skips non-finite keys
-    itself): both branches' weights and BN statistics, and the optimizer's buffers."""
-    tensors = [t for name, t in model.state_dict(keep_vars=True).items()
-               if t.is_floating_point() and name != "queue"]
-    return tensors + [v for state in optimizer.state.values() for v in state.values()
-                      if torch.is_tensor(v) and v.is_floating_point()]
-
-
-def grads_finite(params):
-    """Gradients are averaged over ranks, so a non-finite loss on any rank shows in every rank's
-    gradient norm: the same verdict everywhere, as a device tensor."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+def log_progress(run, epoch, i, step, stats, seconds_per_step, outputs):
+    """The progress line (loss, lr, momentum, throughput, data wait, peak memory, ETA) and TensorBoard."""
+    args = run.args
+    eta = (run.total_steps - step - 1) * seconds_per_step
+    memory = ""
+    if run.device.type == "cuda":
+        stats["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
+        memory = f" mem {stats['peak_memory_gib']:.1f}G"
+    print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{run.steps_per_epoch}] loss {stats['loss']:.4f} "
+          f"lr {stats['lr']:.4g} m {stats['momentum']:.5f} {stats['images_per_s']:.1f} img/s "
+          f"data {100 * stats['data_wait_share']:.0f}%{memory} eta {format_eta(eta)}", flush=True)
+    if run.writer:
+        for name, value in stats.items():
+            run.writer.add_scalar(f"train/{name}", value, step)
+        for name, value in losses.loss_terms(*outputs, args.tau, args.tau_m).items():
+            run.writer.add_scalar(f"terms/{name}", value.item(), step)
 
 
 def note_bad_images(bad, reasons, sampler, dataset, bad_seen, max_bad):

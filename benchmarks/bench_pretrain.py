@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Throughput of the SCE training step on synthetic tensors, and of the data pipeline alone.
+"""Pretraining throughput, side by side in one run: the data loader alone (CPU vs GPU augmentation),
+the training step alone (synthetic device tensors), and both together, all through the code
+main_pretrain.py runs (sce.augment views, sce.device_augment, sce.engine.train_step).
 
-    python benchmarks/bench_pretrain.py --arch resnet18 --batch-size 32 --crop-size 64
     python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
+    python benchmarks/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16   # per-image CPU cost
 
-Prints one JSON line per measurement: {"what": "train_step" | "data", ..., "images_per_s": ...}.
+Without --data it writes ImageNet-like photos itself (crops of scikit-learn's two sample photos,
+500x375 JPEG, quality 98, ~100 KB). Prints one JSON line per measurement, then a table.
 """
 import argparse
 import functools
@@ -13,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -20,89 +24,238 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sce import losses  # noqa: E402
+from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE  # noqa: E402
-from sce.loader import MultiView, PretrainDataset, ResumableSampler, build_dataset, view_transform  # noqa: E402
+from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
+from sce.engine import Training, compile_model, train_step  # noqa: E402
+from sce.loader import PretrainDataset, ResumableSampler, build_dataset  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--data", metavar="DIR", help="an ImageFolder to read (default: photos written to a temporary folder)")
+parser.add_argument("--images", type=int, default=512, help="photos written when --data is not given (default: 512)")
 parser.add_argument("--arch", default="resnet50", help="(default: resnet50)")
-parser.add_argument("--small-input", action="store_true")
+parser.add_argument("--small-input", action="store_true", help="3x3 stride-1 conv1, no max-pool")
 parser.add_argument("--batch-size", type=int, default=256, help="(default: 256)")
 parser.add_argument("--crop-size", type=int, default=224, help="(default: 224)")
+parser.add_argument("--queue-size", type=int, default=65536, help="(default: 65536)")
 parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="(default: none)")
 parser.add_argument("--channels-last", action="store_true")
-parser.add_argument("--queue-size", type=int, default=65536, help="(default: 65536)")
-parser.add_argument("--steps", type=int, default=10, help="timed steps after 3 warm-up steps (default: 10)")
-parser.add_argument("--skip-data", action="store_true", help="time only the training step")
-parser.add_argument("--data-images", type=int, default=256, help="JPEGs written for the data benchmark (default: 256)")
-parser.add_argument("--workers", type=int, default=os.cpu_count(), help="data workers (default: all cores)")
+parser.add_argument("--compile", action="store_true", help="torch.compile the encoders and heads")
+parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
+parser.add_argument("--augment", nargs="+", default=["cpu", "gpu"], choices=["cpu", "gpu"],
+                    help="pipelines to measure (default: cpu gpu)")
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if present)")
+parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="loader processes; 0 measures one core in this process (default: cores - 1)")
+parser.add_argument("--steps", type=int, default=20, help="timed steps or batches per measurement (default: 20)")
+parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement (default: 3)")
+parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
+parser.add_argument("--skip-data", action="store_true", help="measure the training step only")
+parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
 args = parser.parse_args()
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads",
+device = torch.device(args.device)
+torch.backends.cudnn.benchmark = True  # as main_pretrain.py
+amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
        "torch": torch.__version__}
+SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
+               channels_last=args.channels_last, compile=args.compile, symmetric=args.symmetric)
+results = []
+
+
+def report(**fields):
+    results.append(fields)
+    print(json.dumps({**fields, **ENV}), flush=True)
 
 
 def sync():
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
-def bench_train_step():
-    model = SCE(functools.partial(losses.sce_loss), args.arch, args.small_input, [2048, 2048], 256,
-                "affine", [], args.queue_size - args.queue_size % args.batch_size).to(device)
+def write_photos(root, count):
+    """ImageNet-like JPEGs: random crops of the two sample photos, 500x375, quality 98 (~100 KB)."""
+    from sklearn.datasets import load_sample_images
+    photos = load_sample_images().images
+    rng = np.random.default_rng(0)
+    os.makedirs(os.path.join(root, "photos"))
+    for i in range(count):
+        photo = photos[i % len(photos)]
+        h, w = photo.shape[:2]
+        ch, cw = int(h * rng.uniform(0.75, 1.0)), int(w * rng.uniform(0.75, 1.0))
+        top, left = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
+        img = Image.fromarray(photo[top:top + ch, left:left + cw]).resize((500, 375), Image.BICUBIC)
+        img.save(os.path.join(root, "photos", f"{i:05d}.jpg"), quality=98)
+    return root
+
+
+class Cycle(torch.utils.data.Dataset):
+    """A dataset read round and round, so a few hundred photos feed any number of batches."""
+
+    def __init__(self, dataset, length):
+        self.dataset, self.length = dataset, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.dataset[i % len(self.dataset)]
+
+
+def make_loader(dataset, augment, batches):
+    views = MultiView([View("weak", args.crop_size, on_device=augment == "gpu"),
+                       View("strong", args.crop_size, on_device=augment == "gpu")])
+    cycled = Cycle(dataset, batches * args.batch_size)
+    return torch.utils.data.DataLoader(
+        PretrainDataset(cycled, views, seed=0), batch_size=args.batch_size,
+        sampler=ResumableSampler(len(cycled), args.batch_size), num_workers=args.workers,
+        pin_memory=device.type == "cuda", drop_last=True)
+
+
+def build_training():
+    torch.manual_seed(0)
+    queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
+    model = SCE(functools.partial(losses.sce_loss), args.arch, args.small_input, [2048, 2048], 256, "affine", [],
+                queue, args.symmetric).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer("sgd", model, 0.1, 1e-4)
+    if args.compile:
+        compile_model(model)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
-    views = [torch.randn(args.batch_size, 3, args.crop_size, args.crop_size, device=device) for _ in range(2)]
-    if args.channels_last:
-        views = [v.to(memory_format=torch.channels_last) for v in views]
-    for step in range(3 + args.steps):
-        if step == 3:
+    return Training(model, model, optimizer, scaler, amp_dtype)
+
+
+def bench_data(dataset, augment):
+    """The loader alone; for gpu, then the device-side augmentation of its last batch, timed apart."""
+    batches = iter(make_loader(dataset, augment, args.warmup + args.steps))
+    for _ in range(args.warmup):
+        next(batches)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        views, _, _ = next(batches)
+    seconds = time.perf_counter() - start
+    device_ms = None
+    if augment == "gpu":
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            views_to_device(views, device, amp_dtype, args.channels_last)
+        sync()
+        device_ms = round(1000 * (time.perf_counter() - start) / args.steps, 2)
+    if args.profile and augment == "gpu":
+        with torch.profiler.profile() as prof:
+            views_to_device(views, device, amp_dtype, args.channels_last)
             sync()
-            start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss, _ = model(views)
-        optimizer.zero_grad(set_to_none=True)
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        model.update_momentum(0.99)
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    report(what="data", augment=augment, workers=args.workers, crop=args.crop_size, batch=args.batch_size,
+           loader_images_per_s=round(args.steps * args.batch_size / seconds, 1),
+           ms_per_image_per_core=round(1000 * seconds * max(1, args.workers) / (args.steps * args.batch_size), 2),
+           device_ms_per_batch=device_ms)
+
+
+def time_steps(training, views):
+    for _ in range(args.warmup):
+        train_step(training, views, 0.99)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        train_step(training, views, 0.99)
+    sync()
+    return (time.perf_counter() - start) / args.steps
+
+
+def bench_train_step(training):
+    """Compute only: synthetic views already on the device, through train_step, with and without
+    the non-finite guard (its cost is the difference)."""
+    shape = (args.batch_size, 3, args.crop_size, args.crop_size)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    views = [torch.randn(shape, device=device).to(dtype=amp_dtype or torch.float32, memory_format=memory_format)
+             for _ in range(2)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    training.guard = False
+    unguarded_s = time_steps(training, views)
+    training.guard = True
+    step_s = time_steps(training, views)
+    fields = dict(what="train_step", **SETTING, step_ms=round(1000 * step_s, 2),
+                  images_per_s=round(args.batch_size / step_s, 1), step_ms_without_guard=round(1000 * unguarded_s, 2),
+                  guard_share=round((step_s - unguarded_s) / step_s, 4))
+    if device.type == "cuda":
+        fields["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+    report(**fields)
+    return args.batch_size / step_s
+
+
+def bench_end_to_end(training, dataset, augment, compute_images_per_s):
+    """Loader, views on the device (DeviceViews), then train_step, as main_pretrain.py runs them."""
+    batches = DeviceViews(make_loader(dataset, augment, args.warmup + args.steps + 2), device, amp_dtype,
+                          args.channels_last)
+    batches_iter = iter(batches)
+    for _ in range(args.warmup):
+        views, _, _ = next(batches_iter)
+        train_step(training, views, 0.99)
+    sync()
+    batches.wait_s, start = 0.0, time.perf_counter()
+    for _ in range(args.steps):
+        views, _, _ = next(batches_iter)
+        train_step(training, views, 0.99)
     sync()
     seconds = time.perf_counter() - start
-    result = dict(what="train_step", arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
-                  channels_last=args.channels_last, step_ms=round(1000 * seconds / args.steps, 1),
-                  images_per_s=round(args.batch_size * args.steps / seconds, 1), **env)
-    if device.type == "cuda":
-        result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
-    print(json.dumps(result), flush=True)
+    images_per_s = args.steps * args.batch_size / seconds
+    syncs, sites = count_host_syncs(training, batches_iter) if device.type == "cuda" else (None, None)
+    report(what="end_to_end", augment=augment, workers=args.workers, **SETTING,
+           images_per_s=round(images_per_s, 1), data_wait_share=round(batches.wait_s / seconds, 3),
+           of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None,
+           host_syncs_per_step=syncs, host_sync_sites=sites)
 
 
-def bench_data():
-    """Decode + two views (strong online, weak target) of 500x375 JPEGs, as in ImageNet."""
-    with tempfile.TemporaryDirectory() as root:
-        rng = np.random.default_rng(0)
-        os.makedirs(os.path.join(root, "c"))
-        for i in range(args.data_images):
-            Image.fromarray(rng.integers(0, 255, (375, 500, 3), dtype=np.uint8)).save(os.path.join(root, "c", f"{i}.jpg"))
-        dataset = build_dataset("imagefolder", root, "pretrain")
-        transform = MultiView([view_transform("weak", args.crop_size), view_transform("strong", args.crop_size)])
-        batch = min(64, args.data_images)
-        loader = torch.utils.data.DataLoader(PretrainDataset(dataset, transform, 0), batch_size=batch,
-                                             sampler=ResumableSampler(len(dataset), batch), num_workers=args.workers)
-        start, count = time.perf_counter(), 0
-        for views, _, _ in loader:
-            count += len(views[0])
-        seconds = time.perf_counter() - start
-    print(json.dumps(dict(what="data", crop=args.crop_size, workers=args.workers, images=count,
-                          images_per_s=round(count / seconds, 1), **env)), flush=True)
+def count_host_syncs(training, batches_iter, steps=2):
+    """Host-device synchronisations per step of the loop, and where, as torch's sync debug mode reports them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                views, _, _ = next(batches_iter)
+                train_step(training, views, 0.99)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    found = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(found) / steps, sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in found})
 
 
-bench_train_step()
-if not args.skip_data:
-    bench_data()
+def table():
+    print("\n| measurement | augment | images/s | other |\n|---|---|---|---|")
+    for r in results:
+        if r["what"] == "data":
+            other = f"{r['ms_per_image_per_core']} ms/image/core, workers {r['workers']}"
+            if r["device_ms_per_batch"] is not None:
+                other += f", device {r['device_ms_per_batch']} ms/batch"
+            print(f"| data | {r['augment']} | {r['loader_images_per_s']} | {other} |")
+        elif r["what"] == "train_step":
+            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, guard {100 * r['guard_share']:.2f}%"
+                  f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''} |")
+        else:
+            syncs = "" if r["host_syncs_per_step"] is None else f", {r['host_syncs_per_step']} host syncs/step"
+            print(f"| end_to_end | {r['augment']} | {r['images_per_s']} | data wait {100 * r['data_wait_share']:.1f}%, "
+                  f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only{syncs} |")
+
+
+if args.workers == 0:  # the loader's work in this process: one core, as in a worker
+    torch.set_num_threads(1)
+with tempfile.TemporaryDirectory() as tmp:
+    root = args.data or write_photos(tmp, args.images)
+    dataset = build_dataset("imagefolder", root, "pretrain")
+    if not args.skip_data:
+        for augment in args.augment:
+            bench_data(dataset, augment)
+    if not args.skip_train:
+        training = build_training()
+        compute = bench_train_step(training)
+        if not args.skip_data:
+            for augment in args.augment:
+                bench_end_to_end(training, dataset, augment, compute)
+table()

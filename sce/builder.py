@@ -88,11 +88,15 @@ class SCE(nn.Module):
         return list(self.momentum_encoder.parameters()) + list(self.momentum_projector.parameters())
 
     @torch.no_grad()
-    def update_momentum(self, m):
-        """EMA of the online trunk + projector into the momentum ones (after each optimizer step)."""
+    def update_momentum(self, m, finite=None):
+        """EMA of the online trunk + projector into the momentum ones (after each optimizer step).
+        `finite`, a device bool, makes a skipped step's EMA a no-op (momentum 1) without a host sync."""
         online, target = self.online_parameters(), self.momentum_parameters()
+        if finite is None:
+            finite = torch.ones((), dtype=torch.bool, device=target[0].device)
+        m = torch.where(finite, m, 1.0)
         torch._foreach_mul_(target, m)
-        torch._foreach_add_(target, online, alpha=1 - m)
+        torch._foreach_add_(target, torch._foreach_mul(online, 1 - m))
 
     @torch.no_grad()
     def enqueue(self, keys):

@@ -1,5 +1,6 @@
 """Process-group helpers: one process per GPU under torchrun, or one plain process."""
 import datetime
+import inspect
 import os
 
 import torch
@@ -67,6 +68,16 @@ def all_reduce_sum(x):
 def barrier():
     if is_dist():
         dist.barrier()
+
+
+def wrap_ddp(model, device):
+    """DDP that leaves buffers alone: the queue is identical on all ranks by construction (all_gather)
+    and BN running statistics stay rank-local, as in MoCo (rank 0's are saved). torch 2.13 renamed
+    the flag."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters
+               else {"broadcast_buffers": False})
+    return ddp(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 def report_failure(message):

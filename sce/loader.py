@@ -1,4 +1,5 @@
-"""Data: augmentations (paper Table 2), dataset readers, and the resumable pretraining sampler."""
+"""Data: dataset readers, evaluation transforms, and the resumable pretraining dataset and sampler
+(the pretraining views are in sce.augment)."""
 import os
 import pickle
 
@@ -10,60 +11,10 @@ from torch.utils.data import Dataset, Sampler
 from torchvision.datasets import ImageFolder
 
 from sce import UserError
+from sce.augment import MEAN, STD
 
-# ImageNet statistics for every dataset (SPEC is silent on per-dataset statistics); keeping one
-# normalisation lets any checkpoint be evaluated or transferred without knowing its data
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
 DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]
-
-# Table 2: p(color jitter), jitter (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
-AUGMENTATIONS = {
-    "weak":         (0.0, None, 0.0, 0.0, 0.0),
-    "strong":       (0.8, (0.4, 0.4, 0.4, 0.1), 0.2, 0.5, 0.0),
-    "strong-alpha": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 1.0, 0.0),
-    "strong-beta":  (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.1, 0.2),
-    "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
-}
-
-
-def view_transform(aug, size, scale=(0.2, 1.0)):
-    """One view: random resized crop + flip, then the photometric ops of `aug` (Table 2)."""
-    if aug not in AUGMENTATIONS:
-        raise UserError(f"unknown augmentation '{aug}': use one of {', '.join(AUGMENTATIONS)}")
-    p_jitter, jitter, p_gray, p_blur, p_solarize = AUGMENTATIONS[aug]
-    ops = [T.RandomResizedCrop(size, scale=tuple(scale)), T.RandomHorizontalFlip()]
-    if p_jitter:
-        ops.append(T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter))
-    if p_gray:
-        ops.append(T.RandomGrayscale(p_gray))
-    if p_blur:  # kernel ~10% of the crop: 23 at 224 px (SimCLR / BYOL)
-        kernel = max(3, int(0.1 * size) // 2 * 2 + 1)
-        ops.append(T.RandomApply([T.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=p_blur))
-    if p_solarize:
-        ops.append(T.RandomSolarize(128, p=p_solarize))
-    return T.Compose(ops + [T.ToTensor(), T.Normalize(MEAN, STD)])
-
-
-class MultiView:
-    """Applies one transform per view and returns the list of views."""
-
-    def __init__(self, transforms):
-        self.transforms = transforms
-
-    def __call__(self, img):
-        return [t(img) for t in self.transforms]
-
-
-def pretrain_transform(args):
-    """View 0: target (weak by default) global view; view 1: online global view; then local crops."""
-    scale = (args.min_scale, 1.0)
-    views = [view_transform(args.target_aug, args.crop_size, scale),
-             view_transform(args.online_aug, args.crop_size, scale)]
-    scales = args.local_crop_scales
-    for i, size in enumerate(args.local_crop_sizes):
-        views.append(view_transform(args.local_aug, size, scales[2 * i:2 * i + 2]))
-    return MultiView(views)
 
 
 def eval_transform(train, crop_size=224, small=False):
@@ -224,8 +175,11 @@ def build_dataset(name, root, split="train", transform=None, class_list=None):
     return ds
 
 
-def _seed_of(seed, epoch, index):
-    return (seed * 1_000_003 + epoch * 100_003 + index) % (2 ** 63)
+def sample_seed(seed, epoch, index):
+    """The RNG seed of one sample's views: numpy's SeedSequence hashes the triple, so no two
+    (epoch, index) pairs of a run share a stream (a linear mix would: i + 100003 at epoch e
+    colliding with i at epoch e + 1)."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1, np.uint64)[0])
 
 
 class PretrainDataset(Dataset):
@@ -256,7 +210,9 @@ class PretrainDataset(Dataset):
         else:
             raise UserError("no readable image in the dataset")
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed_of(self.seed, epoch, index))
+            # the CPU generator alone: torch.manual_seed would also queue a CUDA seeding, with a
+            # stack trace, in every worker (0.5 ms a sample)
+            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             views = self.transform(img)
         return views, bad, reason
 

@@ -15,42 +15,67 @@ def param_groups(model, weight_decay):
             {"params": no_decay, "weight_decay": 0.0, "lars_exclude": True}]
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(torch.optim.SGD):
     """SGD with momentum whose per-tensor step is scaled by the trust ratio
-    eta * ||w|| / ||grad + wd * w|| (You et al.); groups with lars_exclude skip the scaling."""
+    eta * ||w|| / ||grad + wd * w|| (You et al.); groups with lars_exclude skip the scaling.
+
+    Hand-written because torch has no LARS. Weight decay and the trust ratio are folded into the
+    gradient, then torch's fused SGD (weight decay 0) applies the momentum update, so a non-finite
+    step is skipped on the device like any fused SGD step (found_inf).
+    """
 
     def __init__(self, params, lr=0.0, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, lars_exclude=False))
+        params = list(params)
+        groups = [dict(g) for g in params] if isinstance(params[0], dict) else [{"params": params}]
+        for group in groups:
+            group["lars_weight_decay"] = group.pop("weight_decay", weight_decay)
+            group.setdefault("lars_exclude", False)
+            group.setdefault("trust_coefficient", trust_coefficient)
+        super().__init__(groups, lr=lr, momentum=momentum, weight_decay=0.0, fused=True)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        if closure is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("LARS takes no closure and needs unscaled gradients (GradScaler.unscale_ first)")
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d_p = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad.clone()
-                if not group["lars_exclude"]:
-                    w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(d_p)
-                    trust = torch.where((w_norm > 0) & (g_norm > 0),
-                                        group["trust_coefficient"] * w_norm / g_norm,
-                                        torch.ones_like(w_norm))
-                    d_p.mul_(trust)
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.mul_(group["momentum"]).add_(d_p)
-                p.add_(buf, alpha=-group["lr"])
-        return loss
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            if not params:
+                continue
+            if group["lars_weight_decay"]:
+                torch._foreach_add_(grads, params, alpha=group["lars_weight_decay"])
+            if not group["lars_exclude"]:
+                w_norm = torch.stack(torch._foreach_norm(params))
+                g_norm = torch.stack(torch._foreach_norm(grads))
+                trust = torch.where((w_norm > 0) & (g_norm > 0), group["trust_coefficient"] * w_norm / g_norm,
+                                    torch.ones_like(w_norm))
+                torch._foreach_mul_(grads, list(trust.unbind()))
+        return super().step()
 
 
 def build_optimizer(name, model, lr, weight_decay, momentum=0.9):
+    """Fused SGD or LARS, with zero momentum buffers from the start: fused SGD's first step would
+    otherwise leave them uninitialised when it is skipped (non-finite)."""
     groups = param_groups(model, weight_decay)
     if name == "lars":
-        return LARS(groups, lr=lr, momentum=momentum)
-    return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+        optimizer = LARS(groups, lr=lr, momentum=momentum)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, fused=True)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
+
+
+def load_optimizer_state(optimizer, state):
+    """optimizer.load_state_dict, keeping this version's fused update (checkpoints of earlier
+    versions hold foreach SGD groups, and LARS groups whose weight decay SGD would apply)."""
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+        if isinstance(optimizer, LARS) and "lars_weight_decay" not in group:
+            group["lars_weight_decay"], group["weight_decay"] = group["weight_decay"], 0.0
+            group.setdefault("trust_coefficient", 1e-3)
 
 
 def cosine_lr(step, total_steps, base_lr, warmup_steps=0):

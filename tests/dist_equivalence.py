@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from sce import distributed as du, losses  # noqa: E402
 from sce.builder import SCE  # noqa: E402
-from sce.loader import MultiView, PretrainDataset, ResumableSampler, build_dataset, view_transform  # noqa: E402
+from sce.augment import MultiView, View  # noqa: E402
+from sce.loader import PretrainDataset, ResumableSampler, build_dataset  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 data, out = sys.argv[1], sys.argv[2]
@@ -21,12 +22,12 @@ torch.manual_seed(0)
 global_batch, steps = 8, 4
 dataset = build_dataset("imagefolder", data, "pretrain")
 sampler = ResumableSampler(len(dataset), global_batch, rank, world, seed=0)
-views = PretrainDataset(dataset, MultiView([view_transform("weak", 16), view_transform("strong", 16)]), seed=0)
+views = PretrainDataset(dataset, MultiView([View("weak", 16), View("strong", 16)]), seed=0)
 loader = torch.utils.data.DataLoader(views, batch_size=global_batch // world, sampler=sampler)
 model = SCE(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [32], 16, "none",
             queue_size=24)
 model.eval()  # frozen BN statistics: the split of the batch over ranks cannot matter
-ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if world > 1 else model
+ddp = du.wrap_ddp(model, device) if world > 1 else model
 optimizer = build_optimizer("sgd", model, 0.5, 1e-4)
 for step, (x, _, _) in zip(range(steps), loader):
     loss, _ = ddp(x)

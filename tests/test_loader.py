@@ -10,52 +10,26 @@ from PIL import Image
 
 from conftest import write_imagefolder
 from sce import UserError
-from sce.loader import (AUGMENTATIONS, PretrainDataset, ResumableSampler, build_dataset, load_rgb,
-                        view_transform, MultiView)
-
-
-def ops(transform, kind):
-    found = []
-    for op in transform.transforms:
-        inner = op.transforms if isinstance(op, T.RandomApply) else [op]
-        found += [(op, i) for i in inner if isinstance(i, kind)]
-    return found
-
-
-@pytest.mark.parametrize("name,jitter_p,sat,blur_p,solar_p", [
-    ("weak", 0, None, 0, 0), ("strong", 0.8, 0.4, 0.5, 0), ("strong-alpha", 0.8, 0.2, 1.0, 0),
-    ("strong-beta", 0.8, 0.2, 0.1, 0.2), ("strong-gamma", 0.8, 0.2, 0.5, 0.2)])
-def test_table2(name, jitter_p, sat, blur_p, solar_p):
-    t = view_transform(name, 224)
-    jitter = ops(t, T.ColorJitter)
-    assert (jitter[0][0].p if jitter else 0) == jitter_p
-    if jitter:
-        cj = jitter[0][1]
-        assert cj.brightness == (0.6, 1.4) and cj.contrast == (0.6, 1.4) and cj.hue == (-0.1, 0.1)
-        assert cj.saturation == (1 - sat, 1 + sat)
-        assert ops(t, T.RandomGrayscale)[0][1].p == 0.2
-    blur = ops(t, T.GaussianBlur)
-    assert (blur[0][0].p if blur else 0) == blur_p
-    if blur:
-        assert blur[0][1].kernel_size == (23, 23) and blur[0][1].sigma == (0.1, 2.0)
-    solar = ops(t, T.RandomSolarize)
-    assert (solar[0][1].p if solar else 0) == solar_p
-    rrc = ops(t, T.RandomResizedCrop)[0][1]
-    assert rrc.size == (224, 224) and rrc.scale == (0.2, 1.0)
-    assert ops(t, T.RandomHorizontalFlip)[0][1].p == 0.5
-    with pytest.raises(UserError, match="unknown augmentation"):
-        view_transform("medium", 32)
+from sce.augment import MultiView, View
+from sce.loader import PretrainDataset, ResumableSampler, build_dataset, load_rgb, sample_seed
 
 
 def test_views_are_a_function_of_seed_epoch_index(imagefolder):
     ds = build_dataset("imagefolder", imagefolder, "pretrain")
-    data = PretrainDataset(ds, MultiView([view_transform("strong", 16), view_transform("strong", 16)]), seed=3)
+    data = PretrainDataset(ds, MultiView([View("strong", 16), View("strong", 16)]), seed=3)
     a, b = data[(0, 5)][0], data[(0, 5)][0]
     torch.manual_seed(123)  # the global RNG must not matter
     c = data[(0, 5)][0]
     assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
     assert not torch.equal(a[0], a[1])
     assert not torch.equal(a[0], data[(1, 5)][0][0])
+
+
+def test_sample_seeds_do_not_collide():
+    # a linear mix of (seed, epoch, index) gave image i + 100003 at epoch e the stream of image i at e + 1
+    seeds = {sample_seed(0, epoch, index) for epoch in range(3) for index in (0, 1, 100_003, 100_004)}
+    assert len(seeds) == 12
+    assert sample_seed(0, 0, 5) == sample_seed(0, 0, 5) != sample_seed(1, 0, 5)
 
 
 def test_sampler_ranks_partition_the_global_batches():

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import REPO, assert_same_state, load, write_imagefolder
 import main_pretrain
@@ -152,7 +153,8 @@ def jobs():
 # ---------------------------------------------------------------- 1. preemption and exact resume
 
 def test_preemption_two_ranks_resumes_exactly(data, tmp_path, jobs):
-    common = ["--data", data, "--epochs", "2"] + TINY
+    # device-side augmentation (on CPU tensors here): its parameters come from the same per-sample stream
+    common = ["--data", data, "--epochs", "2", "--augment", "gpu"] + TINY
     ref = jobs("main_pretrain.py", common + ["--output-dir", tmp_path / "ref"])
     code, _ = ref.wait()
     assert code == 0, ref.output[-3000:]
@@ -283,8 +285,15 @@ def test_keep_last_k_numbered_checkpoints(small, tmp_path):
 
 # ---------------------------------------------------------------- 3. unreadable images
 
-def test_unreadable_image_is_logged_once_and_replaced(tmp_path, capsys):
+@pytest.mark.parametrize("augment", ["cpu", "gpu"])
+def test_unreadable_image_is_logged_once_and_replaced(tmp_path, capsys, augment):
     root = write_imagefolder(tmp_path / "data", num_classes=3, per_class=8, size=20, splits=("",))
+    # palette, CMYK and 16-bit images replace three PNGs: both pipelines read them as RGB
+    for name, mode in [("0.png", "P"), ("1.jpg", "CMYK"), ("3.png", "I;16")]:
+        img = Image.open(os.path.join(root, "class_0", f"{name[0]}.png"))
+        os.remove(os.path.join(root, "class_0", f"{name[0]}.png"))
+        img = img.convert("L").point(lambda v: v * 256, "I").convert("I;16") if mode == "I;16" else img.convert(mode)
+        img.save(os.path.join(root, "class_0", name))
     bad = os.path.join(root, "class_1", "2.png")
     with open(bad, "rb") as f:
         head = f.read(200)
@@ -293,7 +302,7 @@ def test_unreadable_image_is_logged_once_and_replaced(tmp_path, capsys):
     with open(os.path.join(root, "class_1", "notes.txt"), "w") as f:
         f.write("not an image")
     os.makedirs(os.path.join(root, "class_empty"))
-    pretrain(root, tmp_path / "ok", "--epochs", 2)  # default budget: 0.1% of 24 images, at least 1
+    pretrain(root, tmp_path / "ok", "--epochs", 2, "--augment", augment)  # default budget: 0.1% of 24 images, at least 1
     stdout = capsys.readouterr().out
     warnings = [line for line in stdout.splitlines() if line.startswith("warning: skipping unreadable image")]
     assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping unreadable image {bad} (")
@@ -415,11 +424,11 @@ HANG = '''import os, runpy, sys, time
 sys.path.insert(0, {repo!r})
 from sce.builder import SCE
 update, calls = SCE.update_momentum, [0]
-def hang(self, m):  # rank 1 stops responding after its step-2 gradients were averaged
+def hang(self, *args):  # rank 1 stops responding after its step-2 gradients were averaged
     calls[0] += 1
     if os.environ["RANK"] == "1" and calls[0] == 2:
         time.sleep(3600)
-    return update(self, m)
+    return update(self, *args)
 SCE.update_momentum = hang
 sys.argv[0] = os.path.join({repo!r}, "main_pretrain.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

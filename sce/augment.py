@@ -1,0 +1,138 @@
+"""The augmentations of paper Table 2: one table, one way to draw a view's random parameters, and
+the loader-side half of each view.
+
+Every view is a random resized crop + horizontal flip followed by photometric ops (colour jitter,
+grayscale, Gaussian blur, solarize). The loader worker always crops, flips and draws all the
+random parameters, from torch's RNG in the order torchvision's transforms draw them, so a seed
+gives the same views whichever pipeline applies the photometric ops:
+- `--augment cpu`: the worker applies them too (torchvision on the PIL image) and returns a
+  normalised float tensor, exactly what torchvision's Compose of the same transforms returns;
+- `--augment gpu`: the worker returns the uint8 crop and the parameters, and
+  `sce.device_augment` applies the ops batched on the training device.
+"""
+import torch
+import torchvision.transforms as T
+import torchvision.transforms.functional as F
+import torchvision.transforms.v2.functional as TF
+
+from sce import UserError
+
+# ImageNet statistics for every dataset (the paper does not give per-dataset ones); keeping one
+# normalisation lets any checkpoint be evaluated or transferred without knowing its data
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+# Table 2: p(color jitter), jitter (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
+AUGMENTATIONS = {
+    "weak":         (0.0, None, 0.0, 0.0, 0.0),
+    "strong":       (0.8, (0.4, 0.4, 0.4, 0.1), 0.2, 0.5, 0.0),
+    "strong-alpha": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 1.0, 0.0),
+    "strong-beta":  (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.1, 0.2),
+    "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
+}
+BLUR_SIGMA = (0.1, 2.0)
+SOLARIZE_THRESHOLD = 128  # on uint8 images; 0.5 on [0, 1] floats picks the same pixels
+JITTER_OPS = ("brightness", "contrast", "saturation", "hue")  # torchvision's indices 0-3
+
+
+def blur_kernel_size(size):
+    """Kernel ~10% of the crop, odd: 23 at 224 px (SimCLR / BYOL). One rule for both pipelines."""
+    return max(3, int(0.1 * size) // 2 * 2 + 1)
+
+
+def jitter_ranges(jitter):
+    """torchvision's ColorJitter ranges: factors in [max(0, 1 - s), 1 + s], hue shift in [-h, h]."""
+    b, c, s, h = jitter
+    return [(max(0.0, 1 - v), 1 + v) for v in (b, c, s)] + [(-h, h)]
+
+
+def draw_photometric(aug):
+    """The random parameters of the photometric ops of row `aug`, drawn from torch's global RNG as
+    RandomApply(ColorJitter), RandomGrayscale, RandomApply(GaussianBlur), RandomSolarize draw them.
+
+    Returns {"jitter": applied, "order": the 4 op indices in the order they apply, "factors":
+    brightness, contrast, saturation, hue shift, "gray", "sigma" (0: no blur), "solarize"}.
+    """
+    p_jitter, jitter, p_gray, p_blur, p_solarize = AUGMENTATIONS[aug]
+    params = dict(jitter=False, order=[0, 1, 2, 3], factors=[1.0, 1.0, 1.0, 0.0], gray=False, sigma=0.0,
+                  solarize=False)
+    if p_jitter and not p_jitter < torch.rand(1):  # RandomApply: skipped when p < u
+        params["jitter"] = True
+        params["order"] = torch.randperm(4).tolist()
+        params["factors"] = [float(torch.empty(1).uniform_(lo, hi)) for lo, hi in jitter_ranges(jitter)]
+    if p_gray:
+        params["gray"] = bool(torch.rand(1) < p_gray)
+    if p_blur and not p_blur < torch.rand(1):
+        params["sigma"] = float(torch.empty(1).uniform_(*BLUR_SIGMA))
+    if p_solarize:
+        params["solarize"] = bool(torch.rand(1) < p_solarize)
+    return params
+
+
+def apply_photometric_pil(img, params, kernel_size):
+    """The photometric ops on a PIL image with torchvision, in torchvision's order."""
+    if params["jitter"]:
+        b, c, s, h = params["factors"]
+        ops = (lambda x: F.adjust_brightness(x, b), lambda x: F.adjust_contrast(x, c),
+               lambda x: F.adjust_saturation(x, s), lambda x: F.adjust_hue(x, h))
+        for i in params["order"]:
+            img = ops[i](img)
+    if params["gray"]:
+        img = F.rgb_to_grayscale(img, num_output_channels=3)
+    if params["sigma"]:
+        img = F.gaussian_blur(img, [kernel_size, kernel_size], [params["sigma"], params["sigma"]])
+    if params["solarize"]:
+        img = F.solarize(img, SOLARIZE_THRESHOLD)
+    return img
+
+
+class View:
+    """One view: random resized crop + flip, then the photometric ops of row `aug` of Table 2.
+
+    on_device=False: returns the normalised float tensor (3, size, size).
+    on_device=True: returns (uint8 crop (3, size, size), parameters as tensors) for sce.device_augment.
+    """
+
+    def __init__(self, aug, size, scale=(0.2, 1.0), on_device=False):
+        if aug not in AUGMENTATIONS:
+            raise UserError(f"unknown augmentation '{aug}': use one of {', '.join(AUGMENTATIONS)}")
+        self.aug, self.size, self.scale, self.on_device = aug, size, tuple(scale), on_device
+        self.kernel_size = blur_kernel_size(size)
+
+    def __call__(self, img):
+        """img: a PIL image, or for on_device views its uint8 tensor (3, H, W)."""
+        top, left, height, width = T.RandomResizedCrop.get_params(img, self.scale, (3 / 4, 4 / 3))
+        if self.on_device:  # torch's uint8 antialiased resize: ~3x faster than PIL's, within 1 level of it
+            crop = TF.resized_crop(img, top, left, height, width, [self.size, self.size], antialias=True)
+            if torch.rand(1) < 0.5:
+                crop = TF.hflip(crop)
+            return crop, {k: torch.tensor(v) for k, v in draw_photometric(self.aug).items()}
+        img = F.resized_crop(img, top, left, height, width, [self.size, self.size],
+                             T.InterpolationMode.BILINEAR, antialias=True)
+        if torch.rand(1) < 0.5:
+            img = F.hflip(img)
+        img = apply_photometric_pil(img, draw_photometric(self.aug), self.kernel_size)
+        return F.normalize(F.to_tensor(img), MEAN, STD)
+
+
+class MultiView:
+    """Applies one transform per view and returns the list of views."""
+
+    def __init__(self, transforms):
+        self.transforms = transforms
+        self.on_device = any(getattr(t, "on_device", False) for t in transforms)
+
+    def __call__(self, img):
+        if self.on_device:  # one uint8 tensor for every view to crop from
+            img = F.pil_to_tensor(img)
+        return [t(img) for t in self.transforms]
+
+
+def pretrain_views(args, on_device=False):
+    """View 0: target (weak by default) global view; view 1: online global view; then local crops."""
+    scale = (args.min_scale, 1.0)
+    views = [View(args.target_aug, args.crop_size, scale, on_device),
+             View(args.online_aug, args.crop_size, scale, on_device)]
+    scales = args.local_crop_scales
+    for i, size in enumerate(args.local_crop_sizes):
+        views.append(View(args.local_aug, size, scales[2 * i:2 * i + 2], on_device))
+    return MultiView(views)

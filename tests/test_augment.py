@@ -1,0 +1,148 @@
+"""Augmentations: Table 2 and torchvision's random stream (CPU pipeline), and the batched device ops
+against torchvision.transforms.v2.functional, op by op and chained, for every row."""
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms as T
+from PIL import Image
+from sklearn.datasets import load_sample_image
+from torch.utils.data import default_collate
+from torchvision.transforms.v2 import functional as TF
+
+from sce import UserError
+from sce import device_augment as D
+from sce.augment import AUGMENTATIONS, MEAN, STD, View, blur_kernel_size
+
+# the paper's Table 2, written out independently of sce.augment:
+# p(jitter), (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
+TABLE2 = {
+    "weak": (0, None, 0, 0, 0),
+    "strong": (0.8, (0.4, 0.4, 0.4, 0.1), 0.2, 0.5, 0),
+    "strong-alpha": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 1.0, 0),
+    "strong-beta": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.1, 0.2),
+    "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
+}
+PIXEL = 1 / 255
+
+
+@pytest.fixture(scope="module")
+def photo():
+    return Image.fromarray(load_sample_image("china.jpg"))
+
+
+def torchvision_compose(row, size):
+    """The view as torchvision's own random transforms build it (blur sigma in [0.1, 2], solarize at 128)."""
+    p_jitter, jitter, p_gray, p_blur, p_solarize = TABLE2[row]
+    ops = [T.RandomResizedCrop(size, scale=(0.2, 1.0)), T.RandomHorizontalFlip()]
+    if p_jitter:
+        ops.append(T.RandomApply([T.ColorJitter(*jitter)], p=p_jitter))
+    if p_gray:
+        ops.append(T.RandomGrayscale(p_gray))
+    if p_blur:
+        ops.append(T.RandomApply([T.GaussianBlur(blur_kernel_size(size), sigma=(0.1, 2.0))], p=p_blur))
+    if p_solarize:
+        ops.append(T.RandomSolarize(128, p=p_solarize))
+    return T.Compose(ops + [T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+@pytest.mark.parametrize("row", list(TABLE2))
+def test_cpu_views_equal_torchvision_transforms(row, photo):
+    """Same seed, same view, bit for bit: the table is Table 2 and the random parameters are drawn
+    in torchvision's order (so both pipelines follow the stream the CPU pipeline always used)."""
+    assert AUGMENTATIONS[row] == TABLE2[row]
+    reference, view = torchvision_compose(row, 48), View(row, 48)
+    for seed in range(12):
+        torch.manual_seed(seed)
+        expected = reference(photo)
+        torch.manual_seed(seed)
+        assert torch.equal(view(photo), expected), (row, seed)
+    with pytest.raises(UserError, match="unknown augmentation"):
+        View("medium", 32)
+
+
+def random_images(n=12, h=24, w=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, h, w), generator=g, dtype=torch.uint8).float() / 255
+
+
+def per_image(fn, x, *values):
+    return torch.stack([fn(x[i], *[v[i].item() for v in values]) for i in range(len(x))])
+
+
+def test_each_device_op_equals_torchvision_v2():
+    x = random_images()
+    factor = torch.linspace(0, 2, len(x))  # 0 included: black, flat grey, grayscale
+    shift = torch.linspace(-0.5, 0.5, len(x))
+    sigma = torch.linspace(0.1, 2.0, len(x))
+    checks = [
+        (D.brightness(x.clone(), factor), per_image(TF.adjust_brightness, x, factor), PIXEL),
+        (D.contrast(x.clone(), factor), per_image(TF.adjust_contrast, x, factor), PIXEL),
+        (D.saturation(x.clone(), factor), per_image(TF.adjust_saturation, x, factor), PIXEL),
+        (D.hue(x.clone(), shift), per_image(TF.adjust_hue, x, shift), 2 * PIXEL),
+        (D.grayscale(x), per_image(lambda im: TF.rgb_to_grayscale(im, 3), x), PIXEL),
+        (D.gaussian_blur(x, sigma, 9), per_image(lambda im, s: TF.gaussian_blur(im, [9, 9], [s, s]), x, sigma), PIXEL),
+    ]
+    checks.append((D.solarize(x), per_image(lambda im: TF.solarize(im, 0.5), x), PIXEL))
+    for i, (ours, reference, tolerance) in enumerate(checks):
+        assert ours.shape == reference.shape
+        assert (ours - reference).abs().max() <= tolerance, i
+    # hue of a gray pixel is undefined: it must stay gray
+    assert torch.equal(D.hue(torch.full((1, 3, 2, 2), 0.5), torch.tensor([0.3])), torch.full((1, 3, 2, 2), 0.5))
+
+
+def reference_chain(x, params, kernel_size):
+    """One image through torchvision.transforms.v2.functional with the drawn parameters."""
+    if params["jitter"]:
+        ops = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue)
+        for i in params["order"].tolist():
+            x = ops[i](x, params["factors"][i].item())
+    if params["gray"]:
+        x = TF.rgb_to_grayscale(x, 3)
+    if params["sigma"] > 0:
+        x = TF.gaussian_blur(x, [kernel_size, kernel_size], [params["sigma"].item()] * 2)
+    if params["solarize"]:
+        x = TF.solarize(x, 0.5)
+    return x
+
+
+@pytest.mark.parametrize("row", list(TABLE2))
+def test_device_chain_equals_torchvision_v2(row, photo):
+    torch.manual_seed(0)
+    view, image = View(row, 40, on_device=True), TF.pil_to_tensor(photo)
+    samples = [view(image) for _ in range(40)]
+    crops, params = default_collate(samples)
+    assert crops.dtype == torch.uint8 and crops.shape == (40, 3, 40, 40)
+    kernel = blur_kernel_size(40)
+    x = crops.float() / 255
+    ours = D.photometric(x.clone(), params, kernel)
+    reference = torch.stack([reference_chain(x[i], s[1], kernel) for i, s in enumerate(samples)])
+    assert (ours - reference).abs().max() <= (2 if TABLE2[row][0] else 1) * PIXEL
+    if TABLE2[row][0]:  # the batch mixes applied and skipped ops, and several jitter orders
+        assert 0 < params["jitter"].sum() < 40 and len({tuple(o) for o in params["order"].tolist()}) > 3
+    # normalisation, dtype and memory format of the final view
+    view_batch = D.augment(crops, params, kernel, "cpu", torch.bfloat16, channels_last=True)
+    expected = (reference - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    assert view_batch.dtype == torch.bfloat16 and view_batch.is_contiguous(memory_format=torch.channels_last)
+    assert (view_batch.float() - expected).abs().max() <= 0.04  # bf16 has 8 bits of mantissa
+
+
+def test_both_pipelines_give_the_same_views(photo):
+    """Same seed, same crop and parameters; the CPU pipeline rounds to 8 bits after each PIL op
+    (hue through PIL's 8-bit HSV), the device one works in float."""
+    cpu, device = View("strong-gamma", 48), View("strong-gamma", 48, on_device=True)
+    diffs = []
+    for seed in range(10):
+        torch.manual_seed(seed)
+        expected = cpu(photo)
+        torch.manual_seed(seed)
+        crops, params = default_collate([device(TF.pil_to_tensor(photo))])
+        ours = D.augment(crops, params, blur_kernel_size(48), "cpu")[0]
+        diffs.append(((ours - expected) * torch.tensor(STD).view(3, 1, 1)).abs())
+    assert max(d.max() for d in diffs) < 16 * PIXEL and np.mean([d.mean() for d in diffs]) < 2 * PIXEL
+
+
+def test_views_to_device_handles_both_kinds():
+    normalised = [torch.randn(2, 3, 8, 8)]
+    out = D.views_to_device(normalised, "cpu", torch.bfloat16, channels_last=True)
+    assert out[0].dtype == torch.bfloat16 and out[0].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out[0].float(), normalised[0].to(torch.bfloat16).float())
