@@ -221,7 +221,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
     # DDP only all-reduces parameters that require grad: here those of fc
     ddp = (DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
            if world > 1 else model)
-    optimizer = build_optimizer(args.optimizer, model, args.lr, args.wd, args.momentum)
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.wd, args.momentum, exclude_bias_norm=True)
     scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
     start_epoch, best_acc1 = 0, -1.0  # the first evaluated epoch is always the best so far
     if args.resume:

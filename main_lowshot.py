@@ -5,9 +5,13 @@
 
 For each K, each draw takes K images positive for each class from trainval (an image drawn for
 two classes counts twice, as in PCL), trains one LinearSVC per class on the l2-normalised
-global-average-pooled features of the draw (difficult labels dropped), and reports the test mAP
-(area under the interpolated precision-recall curve, difficult images ignored); 'full' trains
-once on all of trainval. Table: mean +- std of the mAP over the draws.
+global-average-pooled features of the draw, and reports the test mAP (area under the interpolated
+precision-recall curve); 'full' trains once on all of trainval. Table: mean +- std of the mAP over
+the draws.
+
+Difficult labels (0): '--difficult negative' (default) counts them as negatives, in the SVM
+training and in the test AP, as PCL's eval_svm_voc.py did for the paper's numbers; '--difficult
+ignore' drops them from training and from AP (the VOC devkit convention; reads higher).
 
 Cost selection: the published protocol (PCL, '--cost-selection test') reports, for each K, the
 cost of --costs with the best mean test mAP. That picks a hyper-parameter on the test set and is
@@ -65,6 +69,10 @@ def get_parser():
                    "the cost is tuned on the test set); cv: per draw, best cross-validated mAP on the "
                    "training draw (needs K >= 2)")
     p.add_argument("--cv-folds", type=int, default=3, help="folds of --cost-selection cv")
+    p.add_argument("--difficult", default="negative", choices=transfer.DIFFICULT,
+                   help="difficult (0) labels: negative = count them as negatives in SVM training and "
+                   "test AP (default; PCL's evaluation code that produced the paper's numbers); ignore = "
+                   "drop them from training and AP (VOC devkit convention; reads higher)")
     p.add_argument("--resize", type=int, default=256, help="resize of the short side")
     p.add_argument("--crop-size", type=int, default=224, help="centre crop")
     p.add_argument("--batch-size", type=int, default=128, help="feature extraction batch")
@@ -114,13 +122,14 @@ def main(argv=None):
                    else transfer.lowshot_draw(trainval_y, k, [args.seed, k, r]).ravel())
             x, y = train_x[idx], trainval_y[idx]
             if args.cost_selection == "test":
-                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, args.jobs)[0] for c in args.costs}
+                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, args.jobs, args.difficult)[0]
+                            for c in args.costs}
                 per_run.append({"images": len(idx), "test_map": per_cost})
             else:
                 cv = {c: transfer.svm_cv_map(x, y, c, groups=idx, folds=args.cv_folds, seed=args.seed,
-                                             jobs=args.jobs) for c in args.costs}
+                                             jobs=args.jobs, difficult=args.difficult) for c in args.costs}
                 cost = max(cv, key=cv.get)  # first best on ties
-                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs)[0]
+                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs, args.difficult)[0]
                 per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap})
             detail = per_run[-1]["test_map" if args.cost_selection == "test" else "cv_map"]
             print(f"K {k} draw {r + 1}/{runs} ({len(idx)} images): {args.cost_selection} mAP per cost "
@@ -137,7 +146,8 @@ def main(argv=None):
                         "cost": cost, "maps": maps, "draws": per_run})
 
     print(f"\nVOC07 low-shot linear SVM, cost selection '{args.cost_selection}'"
-          + (" (tuned on the test set: optimistic)" if args.cost_selection == "test" else ""))
+          + (" (tuned on the test set: optimistic)" if args.cost_selection == "test" else "")
+          + f", difficult labels: {args.difficult}")
     print(f"{'K':>6}  {'runs':>4}  {'mAP':>15}  cost")
     for res in results:
         cost = "/".join(f"{c:g}" for c in (res["cost"] if isinstance(res["cost"], list) else [res["cost"]]))
@@ -146,7 +156,8 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump({"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder, "arch": arch,
                    "cost_selection": args.cost_selection, "costs": args.costs, "seed": args.seed,
-                   "std": "population (ddof 0) over draws", "results": results}, f, indent=2)
+                   "difficult": args.difficult, "std": "population (ddof 0) over draws", "results": results},
+                  f, indent=2)
     print(f"=> {out}")
 
 

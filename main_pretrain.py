@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=8 main_pretrain.py --data /datasets/imagenet/train --lambda 0.5 --tau-m 0.07
     python main_pretrain.py        # no flags: a few-minute demo on scikit-learn's digits, on CPU
 
-Defaults are the paper's ImageNet recipe against the baselines (SPEC section 4); RECIPES.md has
+Defaults are the paper's ImageNet recipe against the baselines (Sec. 4.2); RECIPES.md has
 the command of every setting of the paper.
 """
 import argparse
@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 from sce import UserError, checkpoint, losses
 from sce import distributed as du
-from sce.augment import AUGMENTATIONS, pretrain_views
+from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
 from sce.builder import ARCHS, SCE, momentum_at
 from sce.device_augment import DeviceViews
 from sce.engine import Training, check_compile, compile_model, train_step
 from sce.knn import knn_accuracy
 from sce.loader import (DATASETS, PretrainDataset, ResumableSampler, build_dataset, digits_imagefolder,
                         eval_transform)
-from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
+from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, scheduled, set_lr
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
 
@@ -81,10 +81,20 @@ g.add_argument("--pred-hidden-dims", type=int, nargs="*", default=[],
                help="predictor hidden widths, e.g. 4096 (default: none = no predictor)")
 g.add_argument("--sync-bn", action="store_true", help="synchronise BN statistics across ranks")
 g.add_argument("--shuffle-bn", action="store_true", help="MoCo shuffle-BN for the momentum branch")
-g.add_argument("--bn-splits", type=int, default=2, help="simulated ranks of --shuffle-bn on one process (default: 2)")
+g.add_argument("--bn-splits", type=int, default=8,
+               help="--shuffle-bn on one process: every BN computes its statistics over this many chunks of the "
+                    "batch, as on that many GPUs (the authors' single-GPU small-dataset runs) (default: 8)")
 g = parser.add_argument_group("objective")
 g.add_argument("--method", default="sce", choices=list(METHODS), help="sce, or the baselines moco (v2) / ressl (default: sce)")
 g.add_argument("--lambda", dest="lambda_", type=float, default=0.5, help="weight of the one-hot target, eq. 7 (default: 0.5)")
+g.add_argument("--lambda-schedule", default="constant", choices=["constant", "linear", "cosine"],
+               help="lambda after its warmup: constant, or linear / cosine from --lambda to --lambda-end at the "
+                    "last step (a varying lambda is the paper's future work; the authors' later code has it) "
+                    "(default: constant)")
+g.add_argument("--lambda-end", type=float, help="lambda at the last step (default: --lambda)")
+g.add_argument("--lambda-warmup-steps", type=int, default=0, help="steps of a linear rise of lambda from "
+               "--lambda-warmup-start to --lambda (default: 0)")
+g.add_argument("--lambda-warmup-start", type=float, help="lambda at step 0 of its warmup (default: --lambda)")
 g.add_argument("--tau", type=float, help="online temperature (default: 0.1; moco 0.2)")
 g.add_argument("--tau-m", type=float, help="target temperature (default: 0.07; ressl 0.04)")
 g.add_argument("--mask-positive", action="store_true",
@@ -102,6 +112,9 @@ g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="(def
 g.add_argument("--lr", type=float, default=0.5, help="base lr, scaled by batch/256 (default: 0.5)")
 g.add_argument("--weight-decay", type=float, default=1e-4, help="(default: 1e-4)")
 g.add_argument("--sgd-momentum", type=float, default=0.9, help="(default: 0.9)")
+g.add_argument("--wd-exclude-bias-norm", action=argparse.BooleanOptionalAction,
+               help="no weight decay on biases and BN parameters (default: on under LARS, off under SGD, as the "
+                    "authors' code)")
 g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup before the cosine decay (default: 5)")
 g = parser.add_argument_group("runtime")
 g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="mixed precision (default: none)")
@@ -159,9 +172,20 @@ def check_args(args):
         raise UserError("--batch-size, --epochs and --queue-size must be positive")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0 (got {args.seed})")
+    lambdas = [v for v in (args.lambda_end, args.lambda_warmup_start) if v is not None]
+    if not all(0 <= v <= 1 for v in lambdas):
+        raise UserError(f"--lambda-end and --lambda-warmup-start must lie in [0, 1] (got {lambdas})")
+    if (args.lambda_schedule != "constant" or args.lambda_warmup_steps) and args.loss != "sce":
+        raise UserError(f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without "
+                        f"--loss-coeffs); this run uses {args.loss}")
+    smallest = min([args.crop_size] + args.local_crop_sizes)
+    if smallest < MIN_BLUR_SIZE:
+        raise UserError(f"crops of {smallest} px are too small to blur (sigma 2 reflects {MIN_BLUR_SIZE - 1} px): "
+                        f"use --crop-size / --local-crop-sizes of at least {MIN_BLUR_SIZE}")
 
 
-def build_criterion(args):
+def build_criterion(args, lambda_=None):
+    """The loss of the run; lambda_ overrides --lambda (its schedule)."""
     if args.loss == "combined":
         lam, mu, eta = args.loss_coeffs
         return functools.partial(losses.combined_loss, lambda_=lam, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
@@ -169,13 +193,19 @@ def build_criterion(args):
         return functools.partial(losses.infonce_loss, tau=args.tau)
     if args.loss == "ressl":
         return functools.partial(losses.ressl_loss, tau=args.tau, tau_m=args.tau_m)
-    return functools.partial(losses.sce_loss, lambda_=args.lambda_, tau=args.tau, tau_m=args.tau_m,
-                             mask_positive=args.mask_positive)
+    return functools.partial(losses.sce_loss, lambda_=args.lambda_ if lambda_ is None else lambda_, tau=args.tau,
+                             tau_m=args.tau_m, mask_positive=args.mask_positive)
+
+
+def lambda_at(args, step, total_steps):
+    return scheduled(step, total_steps, args.lambda_, args.lambda_end, args.lambda_schedule,
+                     args.lambda_warmup_steps, args.lambda_warmup_start)
 
 
 # settings a resumed run must share with its checkpoint
 RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn",
-                     "pred_hidden_dims", "queue_size", "symmetric"]
+                     "pred_hidden_dims", "queue_size", "symmetric", "lambda_", "lambda_schedule", "lambda_end",
+                     "lambda_warmup_steps", "lambda_warmup_start"]
 
 
 def find_resume(args):
@@ -261,6 +291,10 @@ def main(argv=None):
                         f"enqueued per step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
     if args.sync_bn and world_size > 1 and device.type != "cuda":
         raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
+    bn_splits = args.bn_splits if args.shuffle_bn and world_size == 1 else 1  # several ranks shuffle for real
+    if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
+        raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at least "
+                        f"2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
     if args.compile:
         check_compile(device)
     if rank == 0:
@@ -286,14 +320,15 @@ def main(argv=None):
 
     model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
                 args.proj_last_bn, args.pred_hidden_dims, args.queue_size, args.symmetric, args.shuffle_bn,
-                args.bn_splits, args.sync_bn and world_size > 1).to(device)
+                bn_splits, args.sync_bn and world_size > 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     knn_sets = build_knn_sets(args) if args.knn_data and rank == 0 else None
     if args.demo and rank == 0:
         args.untrained_knn = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)[0]
     base_lr = args.lr * args.batch_size / 256
-    optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum)
+    optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
+                                args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     start_epoch, start_step = resume(args, model, optimizer, scaler, rank)
     if args.compile:
@@ -369,7 +404,7 @@ def resume(args, model, optimizer, scaler, rank):
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
     saved = ckpt["args"]
     for key in RESUME_MUST_MATCH:
-        if saved.get(key) != getattr(args, key):
+        if key in saved and saved[key] != getattr(args, key):  # keys newer than the checkpoint are skipped
             raise UserError(f"{path} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
                             f"not {getattr(args, key)}: pass the same value or another --output-dir")
     model.load_state_dict(ckpt["model"])
@@ -425,6 +460,9 @@ def train_one_epoch(run, epoch, start_step):
         lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
         set_lr(run.training.optimizer, lr)
         m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
+        lam = lambda_at(args, step, run.total_steps)
+        if args.lambda_schedule != "constant" or args.lambda_warmup_steps:
+            run.training.model.criterion = build_criterion(args, lam)
         note_bad_images(bad, reasons, run.sampler, run.loader.dataset, run.bad_seen, run.max_bad)
         loss, finite, (q, k, queue) = train_step(run.training, views, m)
         run.nonfinite.copy_(torch.where(finite, torch.zeros_like(run.nonfinite), run.nonfinite + 1))  # no sync
@@ -437,7 +475,7 @@ def train_one_epoch(run, epoch, start_step):
                                 f"({lr:.3g}) is likely too high{' or fp16 overflows (try --amp bf16)' if args.amp == 'fp16' else ''}; "
                                 "the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            stats = dict(loss=loss_sum.item() / window_steps, lr=lr, momentum=m,
+            stats = dict(loss=loss_sum.item() / window_steps, lr=lr, momentum=m, **{"lambda": lam},
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():

@@ -10,6 +10,8 @@ gives the same views whichever pipeline applies the photometric ops:
 - `--augment gpu`: the worker returns the uint8 crop and the parameters, and
   `sce.device_augment` applies the ops batched on the training device.
 """
+import math
+
 import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as F
@@ -34,9 +36,15 @@ SOLARIZE_THRESHOLD = 128  # on uint8 images; 0.5 on [0, 1] floats picks the same
 JITTER_OPS = ("brightness", "contrast", "saturation", "hue")  # torchvision's indices 0-3
 
 
-def blur_kernel_size(size):
-    """Kernel ~10% of the crop, odd: 23 at 224 px (SimCLR / BYOL). One rule for both pipelines."""
-    return max(3, int(0.1 * size) // 2 * 2 + 1)
+def blur_kernel_size(sigma):
+    """Taps covering +-3 sigma, whatever the image size, so the blur's effective sigma is the one
+    drawn at 32 px as at 224 px (the authors blur small images with PIL's radius = sigma; a kernel
+    sized from the image, 3 taps at 32 px, acted like sigma 0.8 for sigma 2). One rule for both
+    pipelines: 13 taps at sigma 2."""
+    return 2 * math.ceil(3 * sigma) + 1
+
+
+MIN_BLUR_SIZE = blur_kernel_size(BLUR_SIGMA[1]) // 2 + 1  # reflect padding needs pad < image size
 
 
 def jitter_ranges(jitter):
@@ -68,7 +76,7 @@ def draw_photometric(aug):
     return params
 
 
-def apply_photometric_pil(img, params, kernel_size):
+def apply_photometric_pil(img, params):
     """The photometric ops on a PIL image with torchvision, in torchvision's order."""
     if params["jitter"]:
         b, c, s, h = params["factors"]
@@ -79,7 +87,8 @@ def apply_photometric_pil(img, params, kernel_size):
     if params["gray"]:
         img = F.rgb_to_grayscale(img, num_output_channels=3)
     if params["sigma"]:
-        img = F.gaussian_blur(img, [kernel_size, kernel_size], [params["sigma"], params["sigma"]])
+        size = blur_kernel_size(params["sigma"])
+        img = F.gaussian_blur(img, [size, size], [params["sigma"], params["sigma"]])
     if params["solarize"]:
         img = F.solarize(img, SOLARIZE_THRESHOLD)
     return img
@@ -96,7 +105,6 @@ class View:
         if aug not in AUGMENTATIONS:
             raise UserError(f"unknown augmentation '{aug}': use one of {', '.join(AUGMENTATIONS)}")
         self.aug, self.size, self.scale, self.on_device = aug, size, tuple(scale), on_device
-        self.kernel_size = blur_kernel_size(size)
 
     def __call__(self, img):
         """img: a PIL image, or for on_device views its uint8 tensor (3, H, W)."""
@@ -110,7 +118,7 @@ class View:
                              T.InterpolationMode.BILINEAR, antialias=True)
         if torch.rand(1) < 0.5:
             img = F.hflip(img)
-        img = apply_photometric_pil(img, draw_photometric(self.aug), self.kernel_size)
+        img = apply_photometric_pil(img, draw_photometric(self.aug))
         return F.normalize(F.to_tensor(img), MEAN, STD)
 
 

@@ -42,6 +42,44 @@ def build_mlp(in_dim, hidden_dims, out_dim, last_bn="none"):
     return nn.Sequential(*layers)
 
 
+class SplitBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batch norm whose training statistics come from `splits` consecutive equal chunks of the batch,
+    as if it were spread over that many GPUs: shuffle-BN on one GPU (the SCE authors' small-dataset
+    runs use 8). The running statistics move by the mean of the chunks' updates. Parameters and
+    buffers are BatchNorm's, so checkpoints and evaluation do not change."""
+
+    def __init__(self, bn, splits):
+        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        self.load_state_dict(bn.state_dict())
+        self.splits = splits
+
+    def _check_input_dim(self, x):
+        if x.dim() not in (2, 4):
+            raise ValueError(f"expected 2-D or 4-D input (got {x.dim()}-D)")
+
+    def forward(self, x):
+        if not self.training or self.splits == 1:
+            return super().forward(x)
+        means = [self.running_mean.clone() for _ in range(self.splits)]
+        variances = [self.running_var.clone() for _ in range(self.splits)]
+        out = torch.cat([F.batch_norm(chunk, mean, var, self.weight, self.bias, True, self.momentum, self.eps)
+                         for chunk, mean, var in zip(x.chunk(self.splits), means, variances)])
+        with torch.no_grad():
+            self.running_mean.copy_(torch.stack(means).mean(0))
+            self.running_var.copy_(torch.stack(variances).mean(0))
+            self.num_batches_tracked.add_(1)
+        return out
+
+
+def split_batch_norm(module, splits):
+    """`module` with every BatchNorm1d / 2d replaced by a SplitBatchNorm of `splits` chunks."""
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        return SplitBatchNorm(module, splits)
+    for name, child in module.named_children():
+        module.add_module(name, split_batch_norm(child, splits))
+    return module
+
+
 def momentum_at(step, total_steps, m0, schedule="cosine"):
     """EMA momentum: constant m0, or a cosine from m0 at step 0 to 1 at the last step."""
     if schedule == "constant" or total_steps <= 0:
@@ -55,24 +93,26 @@ class SCE(nn.Module):
     views[0], views[1] are the global views (view 0 the target view of the asymmetric loss),
     views[2:] local crops. Asymmetric: view 0 is the only target, every other view a query.
     Symmetric: each global view is a target for every other view; locals are only queries.
+    bn_splits > 1: every BN computes its statistics over that many chunks of the batch (one
+    process standing for several GPUs, with shuffle_bn: the authors' small-dataset setting).
     """
 
     def __init__(self, criterion, arch="resnet50", small_input=False, proj_hidden_dims=(2048, 2048),
                  proj_dim=256, proj_last_bn="affine", pred_hidden_dims=(), queue_size=65536,
-                 symmetric=False, shuffle_bn=False, bn_splits=2, sync_bn=False):
+                 symmetric=False, shuffle_bn=False, bn_splits=1, sync_bn=False):
         super().__init__()
         self.criterion = criterion
         self.symmetric = symmetric
         self.shuffle_bn = shuffle_bn
-        self.bn_splits = bn_splits
         self.encoder, feat_dim = build_trunk(arch, small_input)
         self.projector = build_mlp(feat_dim, proj_hidden_dims, proj_dim, proj_last_bn)
         self.predictor = (build_mlp(proj_dim, pred_hidden_dims, proj_dim) if pred_hidden_dims
                           else nn.Identity())
-        if sync_bn:
-            self.encoder = nn.SyncBatchNorm.convert_sync_batchnorm(self.encoder)
-            self.projector = nn.SyncBatchNorm.convert_sync_batchnorm(self.projector)
-            self.predictor = nn.SyncBatchNorm.convert_sync_batchnorm(self.predictor)
+        for name in ("encoder", "projector", "predictor"):
+            if sync_bn:
+                setattr(self, name, nn.SyncBatchNorm.convert_sync_batchnorm(getattr(self, name)))
+            elif bn_splits > 1:
+                setattr(self, name, split_batch_norm(getattr(self, name), bn_splits))
         # the momentum branch starts as an exact copy and only moves by EMA
         self.momentum_encoder = copy.deepcopy(self.encoder)
         self.momentum_projector = copy.deepcopy(self.projector)
@@ -120,14 +160,11 @@ class SCE(nn.Module):
         if not self.shuffle_bn:
             return self._momentum(x)
         # shuffle-BN (MoCo): BN statistics of the keys come from a random subset of the global
-        # batch; on one process the subsets are simulated by bn_splits chunks
+        # batch; on one process the split BN layers make the subsets
         x_all = du.all_gather(x)
         perm = du.broadcast(torch.randperm(len(x_all), device=x.device))
         world, rank = du.world_size(), du.rank()
-        if world > 1:
-            out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))
-        else:
-            out = torch.cat([self._momentum(c) for c in x_all[perm].chunk(self.bn_splits)])
+        out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))
         return out[torch.argsort(perm)].chunk(world)[rank]
 
     def _momentum(self, x):

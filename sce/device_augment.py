@@ -63,10 +63,12 @@ def grayscale(x):
 
 
 def blur_matrix(sigma, size, kernel_size):
-    """(N, size, size): row o holds the Gaussian taps of output pixel o, reflect padding folded in."""
+    """(N, size, size): row o holds the Gaussian taps of output pixel o, reflect padding folded in.
+    Each sample keeps the taps within its own +-ceil(3 sigma), as its kernel on the CPU would."""
     pad = kernel_size // 2
     taps = torch.arange(-pad, pad + 1, device=sigma.device)
     kernel = torch.exp(-0.5 * (taps / sigma.view(-1, 1)) ** 2)
+    kernel = kernel * (taps.abs() <= torch.ceil(3 * sigma.view(-1, 1)))
     kernel = kernel / kernel.sum(dim=1, keepdim=True)  # (N, K)
     source = (torch.arange(size, device=sigma.device).view(-1, 1) + taps).abs()  # reflect at 0 ...
     source = torch.where(source > size - 1, 2 * (size - 1) - source, source)  # ... and at size - 1
@@ -77,7 +79,8 @@ def blur_matrix(sigma, size, kernel_size):
 
 def gaussian_blur(x, sigma, kernel_size):
     """Per-sample sigma, reflect padding, separable: two batched matmuls with banded matrices
-    (several times faster on a GPU than a depthwise convolution with 23 taps)."""
+    (several times faster on a GPU than a depthwise convolution). kernel_size: that of the
+    largest sigma (sce.augment.blur_kernel_size)."""
     rows = blur_matrix(sigma, x.shape[-2], kernel_size).unsqueeze(1)
     cols = blur_matrix(sigma, x.shape[-1], kernel_size).unsqueeze(1)
     return rows @ x @ cols.transpose(-1, -2)
@@ -103,7 +106,7 @@ def on_rows(x, rows, op, *row_args, **kwargs):
     return x.index_copy_(0, index, picked.to(x.dtype))
 
 
-def photometric(x, params, kernel_size):
+def photometric(x, params):
     """The photometric ops of one view on a float batch in [0, 1]. params: the view's parameters
     as collated by the loader (CPU tensors: jitter (N,), order (N, 4), factors (N, 4), gray (N,),
     sigma (N,), solarize (N,)); they choose the rows of each op on the CPU."""
@@ -113,7 +116,10 @@ def photometric(x, params, kernel_size):
             rows = params["jitter"] & (params["order"][:, position] == op_index)
             x = on_rows(x, rows, op, on_device["factors"][:, op_index])
     x = on_rows(x, params["gray"], grayscale)
-    x = on_rows(x, params["sigma"] > 0, gaussian_blur, on_device["sigma"], kernel_size=kernel_size)
+    blurred = params["sigma"] > 0
+    if blurred.any():  # one kernel size for the batch: that of its largest sigma, known on the CPU
+        x = on_rows(x, blurred, gaussian_blur, on_device["sigma"],
+                    kernel_size=blur_kernel_size(float(params["sigma"].max())))
     return on_rows(x, params["solarize"], solarize)
 
 
@@ -131,7 +137,7 @@ def normalize_into(x, dtype, channels_last, pixel_scale=1.0):
     return torch.addcmul(shift, x, scale * pixel_scale, out=out)
 
 
-def augment(crops, params, kernel_size, device, dtype=None, channels_last=False):
+def augment(crops, params, device, dtype=None, channels_last=False):
     """A view batch ready for the model: uint8 crops (N, 3, H, W) from the loader -> the device,
     photometric ops, normalisation, then the dtype and memory format asked for."""
     crops = crops.to(device, non_blocking=True)
@@ -139,7 +145,7 @@ def augment(crops, params, kernel_size, device, dtype=None, channels_last=False)
                  or params["solarize"].any())
     if no_op:  # the weak view: uint8 straight to the normalised view
         return normalize_into(crops, dtype, channels_last, pixel_scale=1 / 255)
-    x = photometric(crops / 255, params, kernel_size)  # uint8 / float: one kernel to float32
+    x = photometric(crops / 255, params)  # uint8 / float: one kernel to float32
     return normalize_into(x, dtype, channels_last)
 
 
@@ -151,7 +157,7 @@ def views_to_device(views, device, dtype=None, channels_last=False):
     for view in views:
         if isinstance(view, (list, tuple)):
             crops, params = view
-            out.append(augment(crops, params, blur_kernel_size(crops.shape[-1]), device, dtype, channels_last))
+            out.append(augment(crops, params, device, dtype, channels_last))
         else:
             out.append(view.to(device, non_blocking=True).to(dtype=dtype or view.dtype, memory_format=memory_format))
     return out

@@ -2,7 +2,8 @@
 
 Shapes: q (N, D) online outputs, k (N, D) target outputs (no gradient), queue (M, D).
 The candidates of query i are its positive k_i followed by the M queue entries, so the
-batch sums of the paper's equations run over [k_i, queue] here (SPEC section 1).
+batch sums of the paper's equations run over [k_i, queue] here, as in the authors' code and in
+MoCo (other in-batch keys are not candidates).
 Equation numbers refer to the SCE paper (WACV 2023).
 """
 import torch

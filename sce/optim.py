@@ -4,15 +4,15 @@ import math
 import torch
 
 
-def param_groups(model, weight_decay):
-    """Biases and normalisation parameters (ndim <= 1) get no weight decay and, under LARS, no
-    trust-ratio adaptation (SPEC section 4)."""
+def param_groups(model, weight_decay, exclude_bias_norm=True):
+    """Weights (ndim > 1) and biases / normalisation parameters (ndim <= 1), as two groups. The
+    second never gets LARS's trust ratio, and gets weight decay only if not exclude_bias_norm."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim <= 1 else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0, "lars_exclude": True}]
+            {"params": no_decay, "weight_decay": 0.0 if exclude_bias_norm else weight_decay, "lars_exclude": True}]
 
 
 class LARS(torch.optim.SGD):
@@ -53,10 +53,13 @@ class LARS(torch.optim.SGD):
         return super().step()
 
 
-def build_optimizer(name, model, lr, weight_decay, momentum=0.9):
+def build_optimizer(name, model, lr, weight_decay, momentum=0.9, exclude_bias_norm=None):
     """Fused SGD or LARS, with zero momentum buffers from the start: fused SGD's first step would
-    otherwise leave them uninitialised when it is skipped (non-finite)."""
-    groups = param_groups(model, weight_decay)
+    otherwise leave them uninitialised when it is skipped (non-finite).
+
+    exclude_bias_norm (no weight decay on biases and normalisation parameters) defaults to what the
+    SCE authors' code does: on under LARS, off under SGD (every parameter decays)."""
+    groups = param_groups(model, weight_decay, name == "lars" if exclude_bias_norm is None else exclude_bias_norm)
     if name == "lars":
         optimizer = LARS(groups, lr=lr, momentum=momentum)
     else:
@@ -89,3 +92,18 @@ def cosine_lr(step, total_steps, base_lr, warmup_steps=0):
 def set_lr(optimizer, lr):
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def scheduled(step, total_steps, value, end=None, kind="constant", warmup_steps=0, warmup_start=None):
+    """A coefficient's value at `step`: a linear warmup from warmup_start to `value` over
+    warmup_steps, then constant, or a linear or cosine path from `value` to `end` at the last step."""
+    if step < warmup_steps:
+        start = value if warmup_start is None else warmup_start
+        return start + (value - start) * step / warmup_steps
+    end = value if end is None else end
+    progress = (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps)
+    if kind == "linear":
+        return value + (end - value) * progress
+    if kind == "cosine":
+        return end + (value - end) * 0.5 * (1 + math.cos(math.pi * progress))
+    return value

@@ -222,8 +222,21 @@ def _svm(x, y, cost):
         return svm.fit(x, y)
 
 
+DIFFICULT = ("negative", "ignore")  # low-shot handling of difficult labels; PCL's first
+
+
+def voc_targets(labels, difficult):
+    """How low-shot treats difficult (0) labels. 'negative': they become -1, as PCL's
+    eval_svm_voc.py (the paper's numbers) does when it trains the SVMs and when it binarises the
+    test targets (> 0). 'ignore': left as 0, which the SVM and AP helpers skip (VOC devkit)."""
+    if difficult not in DIFFICULT:
+        raise ValueError(f"difficult must be one of {DIFFICULT}, got {difficult!r}")
+    return np.where(labels == 0, -1, labels).astype(labels.dtype) if difficult == "negative" else labels
+
+
 def _binary(labels, c):
-    """Rows to train class c on (difficult dropped) and their +1 / -1 targets."""
+    """Rows to train class c on (labels still 0, i.e. difficult under 'ignore', dropped) and their
+    +1 / -1 targets."""
     keep = np.flatnonzero(labels[:, c] != 0)
     y = np.where(labels[keep, c] > 0, 1, -1)
     if (y > 0).all() or (y < 0).all():
@@ -238,9 +251,11 @@ def _svm_scores(x, labels, test_x, c, cost):
     return _svm(x[keep], y, cost).decision_function(test_x)
 
 
-def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1):
-    """One LinearSVC per class trained on (x, labels); mAP (percent) and per-class AP on the test set."""
+def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1, difficult="negative"):
+    """One LinearSVC per class trained on (x, labels); mAP (percent) and per-class AP on the test set.
+    `difficult` (see voc_targets) applies to both the training and the test labels."""
     from joblib import Parallel, delayed
+    labels, test_labels = voc_targets(labels, difficult), voc_targets(test_labels, difficult)
     cols = Parallel(n_jobs=jobs)(delayed(_svm_scores)(x, labels, test_x, c, cost)
                                  for c in range(labels.shape[1]))
     return mean_average_precision(np.stack(cols, axis=1), test_labels)
@@ -263,9 +278,11 @@ def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
     return float(np.mean(aps)) if aps else float("nan")
 
 
-def svm_cv_map(x, labels, cost, groups, folds=3, seed=0, jobs=1):
-    """Cross-validated mAP (percent) of the per-class LinearSVCs on the training draw alone."""
+def svm_cv_map(x, labels, cost, groups, folds=3, seed=0, jobs=1, difficult="negative"):
+    """Cross-validated mAP (percent) of the per-class LinearSVCs on the training draw alone;
+    `difficult` (see voc_targets) applies to the training and the held-out folds alike."""
     from joblib import Parallel, delayed
+    labels = voc_targets(labels, difficult)
     aps = Parallel(n_jobs=jobs)(delayed(_svm_cv_ap)(x, labels, c, cost, folds, seed, groups)
                                 for c in range(labels.shape[1]))
     return 100.0 * float(np.nanmean(aps))

@@ -1,5 +1,7 @@
 """Augmentations: Table 2 and torchvision's random stream (CPU pipeline), and the batched device ops
 against torchvision.transforms.v2.functional, op by op and chained, for every row."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from sce import UserError
 from sce import device_augment as D
-from sce.augment import AUGMENTATIONS, MEAN, STD, View, blur_kernel_size
+from sce.augment import AUGMENTATIONS, MEAN, STD, View, apply_photometric_pil, blur_kernel_size
 
 # the paper's Table 2, written out independently of sce.augment:
 # p(jitter), (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
@@ -30,6 +32,15 @@ def photo():
     return Image.fromarray(load_sample_image("china.jpg"))
 
 
+class SigmaSizedBlur(T.GaussianBlur):
+    """torchvision's GaussianBlur (same sigma draw) with taps covering +-3 sigma."""
+
+    def forward(self, img):
+        sigma = self.get_params(*self.sigma)
+        size = 2 * math.ceil(3 * sigma) + 1
+        return TF.gaussian_blur(img, [size, size], [sigma, sigma])
+
+
 def torchvision_compose(row, size):
     """The view as torchvision's own random transforms build it (blur sigma in [0.1, 2], solarize at 128)."""
     p_jitter, jitter, p_gray, p_blur, p_solarize = TABLE2[row]
@@ -39,7 +50,7 @@ def torchvision_compose(row, size):
     if p_gray:
         ops.append(T.RandomGrayscale(p_gray))
     if p_blur:
-        ops.append(T.RandomApply([T.GaussianBlur(blur_kernel_size(size), sigma=(0.1, 2.0))], p=p_blur))
+        ops.append(T.RandomApply([SigmaSizedBlur(3, sigma=(0.1, 2.0))], p=p_blur))
     if p_solarize:
         ops.append(T.RandomSolarize(128, p=p_solarize))
     return T.Compose(ops + [T.ToTensor(), T.Normalize(MEAN, STD)])
@@ -80,7 +91,8 @@ def test_each_device_op_equals_torchvision_v2():
         (D.saturation(x.clone(), factor), per_image(TF.adjust_saturation, x, factor), PIXEL),
         (D.hue(x.clone(), shift), per_image(TF.adjust_hue, x, shift), 2 * PIXEL),
         (D.grayscale(x), per_image(lambda im: TF.rgb_to_grayscale(im, 3), x), PIXEL),
-        (D.gaussian_blur(x, sigma, 9), per_image(lambda im, s: TF.gaussian_blur(im, [9, 9], [s, s]), x, sigma), PIXEL),
+        (D.gaussian_blur(x, sigma, blur_kernel_size(2.0)), per_image(
+            lambda im, s: TF.gaussian_blur(im, [blur_kernel_size(s)] * 2, [s, s]), x, sigma), PIXEL),
     ]
     checks.append((D.solarize(x), per_image(lambda im: TF.solarize(im, 0.5), x), PIXEL))
     for i, (ours, reference, tolerance) in enumerate(checks):
@@ -90,7 +102,7 @@ def test_each_device_op_equals_torchvision_v2():
     assert torch.equal(D.hue(torch.full((1, 3, 2, 2), 0.5), torch.tensor([0.3])), torch.full((1, 3, 2, 2), 0.5))
 
 
-def reference_chain(x, params, kernel_size):
+def reference_chain(x, params):
     """One image through torchvision.transforms.v2.functional with the drawn parameters."""
     if params["jitter"]:
         ops = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue)
@@ -99,7 +111,7 @@ def reference_chain(x, params, kernel_size):
     if params["gray"]:
         x = TF.rgb_to_grayscale(x, 3)
     if params["sigma"] > 0:
-        x = TF.gaussian_blur(x, [kernel_size, kernel_size], [params["sigma"].item()] * 2)
+        x = TF.gaussian_blur(x, [blur_kernel_size(params["sigma"].item())] * 2, [params["sigma"].item()] * 2)
     if params["solarize"]:
         x = TF.solarize(x, 0.5)
     return x
@@ -112,15 +124,14 @@ def test_device_chain_equals_torchvision_v2(row, photo):
     samples = [view(image) for _ in range(40)]
     crops, params = default_collate(samples)
     assert crops.dtype == torch.uint8 and crops.shape == (40, 3, 40, 40)
-    kernel = blur_kernel_size(40)
     x = crops.float() / 255
-    ours = D.photometric(x.clone(), params, kernel)
-    reference = torch.stack([reference_chain(x[i], s[1], kernel) for i, s in enumerate(samples)])
+    ours = D.photometric(x.clone(), params)
+    reference = torch.stack([reference_chain(x[i], s[1]) for i, s in enumerate(samples)])
     assert (ours - reference).abs().max() <= (2 if TABLE2[row][0] else 1) * PIXEL
     if TABLE2[row][0]:  # the batch mixes applied and skipped ops, and several jitter orders
         assert 0 < params["jitter"].sum() < 40 and len({tuple(o) for o in params["order"].tolist()}) > 3
     # normalisation, dtype and memory format of the final view
-    view_batch = D.augment(crops, params, kernel, "cpu", torch.bfloat16, channels_last=True)
+    view_batch = D.augment(crops, params, "cpu", torch.bfloat16, channels_last=True)
     expected = (reference - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
     assert view_batch.dtype == torch.bfloat16 and view_batch.is_contiguous(memory_format=torch.channels_last)
     assert (view_batch.float() - expected).abs().max() <= 0.04  # bf16 has 8 bits of mantissa
@@ -136,7 +147,7 @@ def test_both_pipelines_give_the_same_views(photo):
         expected = cpu(photo)
         torch.manual_seed(seed)
         crops, params = default_collate([device(TF.pil_to_tensor(photo))])
-        ours = D.augment(crops, params, blur_kernel_size(48), "cpu")[0]
+        ours = D.augment(crops, params, "cpu")[0]
         diffs.append(((ours - expected) * torch.tensor(STD).view(3, 1, 1)).abs())
     assert max(d.max() for d in diffs) < 16 * PIXEL and np.mean([d.mean() for d in diffs]) < 2 * PIXEL
 
@@ -146,3 +157,26 @@ def test_views_to_device_handles_both_kinds():
     out = D.views_to_device(normalised, "cpu", torch.bfloat16, channels_last=True)
     assert out[0].dtype == torch.bfloat16 and out[0].is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(out[0].float(), normalised[0].to(torch.bfloat16).float())
+
+
+def effective_sigma(image):
+    """Standard deviation, along x, of the light an impulse was spread into."""
+    profile = image.double().sum(dim=0)
+    x = torch.arange(len(profile), dtype=torch.float64) - len(profile) // 2
+    return float(((profile * x ** 2).sum() / profile.sum()).sqrt())
+
+
+@pytest.mark.parametrize("size", [32, 64, 96, 224])
+def test_blur_has_the_requested_sigma_at_every_size(size):
+    """A line impulse blurred with sigma s spreads with standard deviation s (within 10%), for both
+    pipelines: a kernel sized from the image (3 taps at 32 px) made sigma 2 act like 0.8. A line,
+    not a point, so that the 8-bit CPU pipeline keeps the tails."""
+    impulse = torch.zeros(1, 1, size, size)
+    impulse[..., size // 2] = 1.0
+    for sigma in (0.5, 1.0, 2.0):
+        device = D.gaussian_blur(impulse.expand(1, 3, -1, -1).clone(), torch.tensor([sigma]), blur_kernel_size(sigma))
+        assert effective_sigma(device[0, 0]) == pytest.approx(sigma, rel=0.1), ("device", size, sigma)
+        pil = Image.fromarray((impulse[0, 0].numpy() * 255).astype(np.uint8)).convert("RGB")
+        params = dict(jitter=False, gray=False, sigma=sigma, solarize=False)
+        cpu = TF.pil_to_tensor(apply_photometric_pil(pil, params))[0]
+        assert effective_sigma(cpu) == pytest.approx(sigma, rel=0.1), ("cpu", size, sigma)

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from sce import UserError
-from sce.builder import SCE, build_mlp, build_trunk, momentum_at
-from sce.optim import cosine_lr
+from sce.builder import SCE, SplitBatchNorm, build_mlp, build_trunk, momentum_at, split_batch_norm
+from sce.optim import cosine_lr, scheduled
 
 
 def small_model(criterion=None, **kw):
@@ -138,3 +138,38 @@ def test_non_finite_keys_leave_queue_unchanged():
     bad = torch.full((4, 16), float("nan"))
     model.enqueue(bad)
     assert torch.equal(model.queue, before) and int(model.queue_ptr) == 4  # the slot is skipped, not poisoned
+
+
+def test_split_batch_norm_is_batch_norm_per_chunk():
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 4, 4) * 3 + 1
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2)
+        bn.bias.normal_()
+    split = split_batch_norm(nn.Sequential(bn), 4)[0]
+    assert isinstance(split, SplitBatchNorm) and split.state_dict().keys() == bn.state_dict().keys()
+    refs = [nn.BatchNorm2d(3) for _ in range(4)]
+    for ref in refs:
+        ref.load_state_dict(bn.state_dict())
+    expected = torch.cat([ref(chunk) for ref, chunk in zip(refs, x.chunk(4))])
+    assert torch.allclose(split(x), expected, atol=1e-5)  # the statistics of each chunk of 2 images
+    assert torch.allclose(split.running_mean, torch.stack([r.running_mean for r in refs]).mean(0), atol=1e-6)
+    assert torch.allclose(split.running_var, torch.stack([r.running_var for r in refs]).mean(0), atol=1e-6)
+    split.eval()
+    refs[0].eval()
+    refs[0].load_state_dict(split.state_dict())
+    assert torch.allclose(split(x), refs[0](x), atol=1e-6)  # evaluation: plain BN with the running statistics
+    model = small_model(shuffle_bn=True, bn_splits=2)  # both branches, trunk and heads
+    assert all(not isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) or isinstance(m, SplitBatchNorm)
+               for m in model.modules())
+
+
+def test_lambda_schedule():
+    assert scheduled(5, 10, 0.5) == 0.5  # constant
+    assert scheduled(0, 11, 0.5, 1.0, "linear") == 0.5 and scheduled(10, 11, 0.5, 1.0, "linear") == 1.0
+    assert scheduled(5, 11, 0.5, 1.0, "linear") == pytest.approx(0.75)
+    assert scheduled(5, 11, 0.5, 1.0, "cosine") == pytest.approx(0.75) and scheduled(10, 11, 0.5, 1.0, "cosine") == 1.0
+    assert scheduled(0, 11, 0.5, warmup_steps=4, warmup_start=0.0) == 0.0
+    assert scheduled(2, 11, 0.5, warmup_steps=4, warmup_start=0.0) == pytest.approx(0.25)
+    assert scheduled(4, 11, 0.5, 1.0, "cosine", warmup_steps=4, warmup_start=0.0) == 0.5

@@ -20,7 +20,7 @@ def qkm():
 
 
 def candidates(k, queue, i):
-    """Candidates of query i: its positive k_i, then the queue (SPEC section 1)."""
+    """Candidates of query i: its positive k_i, then the queue (the authors' code)."""
     return [k[i]] + list(queue)
 
 

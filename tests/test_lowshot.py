@@ -1,4 +1,4 @@
-"""main_lowshot.py and the VOC07 helpers: reader, draws, SVM mAP, contract command, bad input."""
+"""main_lowshot.py and the VOC07 helpers: reader, draws, SVM mAP, difficult labels, contract command, bad input."""
 import json
 import os
 import re
@@ -82,6 +82,7 @@ def test_contract_command(contract_run):
         means = {c: np.mean([d["test_map"][str(c)] for d in r["draws"]]) for c in report["costs"]}
         assert r["mean"] == pytest.approx(max(means.values()))
     assert report["results"][0]["draws"][0]["images"] == 20 and report["results"][2]["draws"][0]["images"] == 24
+    assert report["difficult"] == "negative"  # PCL's handling by default
     assert "±" in proc.stdout and "optimistic" in proc.stdout
     assert len([f for f in os.listdir(out) if f.startswith("features_")]) == 2
 
@@ -115,14 +116,18 @@ def test_draw_is_seeded_and_has_k_positives_per_class():
         lowshot_draw(labels, 61, 0)
 
 
-def test_svm_map_drops_difficult_and_matches_manual_fit():
+@pytest.mark.parametrize("difficult", ["negative", "ignore"])
+def test_svm_map_matches_manual_fit(difficult):
     from sklearn.svm import LinearSVC
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 5))
     y = np.where(x[:, :2] > 0, 1, -1).astype(np.int8)
     y[:6, 0] = 0
+    y[30:33, 1] = 0
     tx, ty, vx, vy = x[:25], y[:25], x[25:], y[25:]
-    got, aps = svm_test_map(tx, ty, vx, vy, cost=0.5)
+    got, aps = svm_test_map(tx, ty, vx, vy, cost=0.5, difficult=difficult)
+    if difficult == "negative":  # PCL: 0 -> -1 in training and test targets
+        ty, vy = np.where(ty == 0, -1, ty), np.where(vy == 0, -1, vy)
     expected = []
     for c in range(2):
         keep = ty[:, c] != 0
@@ -132,7 +137,69 @@ def test_svm_map_drops_difficult_and_matches_manual_fit():
     assert aps == pytest.approx(expected) and got == pytest.approx(100 * np.mean(expected))
 
 
-def test_bad_inputs(pretrained, voc, tmp_path):
+def one_feature_case():
+    """1-d features: the SVM learns w > 0, so the test images rank in the order of their feature
+    (4, 3, 2, 1); the second test image is difficult."""
+    tx = np.array([[1.0], [1.2], [0.8], [-1.0], [-1.2], [-0.8]])
+    ty = np.array([[1], [1], [1], [-1], [-1], [-1]], np.int8)
+    vx = np.array([[4.0], [3.0], [2.0], [1.0]])
+    vy = np.array([[1], [0], [-1], [1]], np.int8)
+    return tx, ty, vx, vy
+
+
+def test_difficult_test_image_is_negative_by_default():
+    tx, ty, vx, vy = one_feature_case()
+    got, aps = svm_test_map(tx, ty, vx, vy, cost=1.0)
+    # ranked: pos, difficult = false alarm, neg, pos -> recall 0.5 at precision 1, 1.0 at 0.5
+    assert got == pytest.approx(100 * (0.5 * 1 + 0.5 * 0.5))
+    assert aps[0] == pytest.approx(average_precision(vx[:, 0], [1, -1, -1, 1]))
+
+
+def test_difficult_test_image_is_excluded_with_ignore():
+    tx, ty, vx, vy = one_feature_case()
+    got, _ = svm_test_map(tx, ty, vx, vy, cost=1.0, difficult="ignore")
+    # ranked without it: pos, neg, pos -> recall 0.5 at precision 1, 1.0 at 2/3
+    assert got == pytest.approx(100 * (0.5 * 1 + 0.5 * 2 / 3))
+
+
+@pytest.mark.parametrize("difficult", ["negative", "ignore"])
+def test_training_labels_of_difficult_images(monkeypatch, difficult):
+    from sklearn.svm import LinearSVC
+    seen, fit = [], LinearSVC.fit
+
+    def recording_fit(self, x, y, *args, **kwargs):
+        seen.append((np.array(x), np.array(y)))
+        return fit(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(LinearSVC, "fit", recording_fit)
+    x = np.arange(6, dtype=np.float64)[:, None]
+    labels = np.array([[1], [0], [-1], [1], [0], [-1]], np.int8)
+    svm_test_map(x, labels, x, labels, cost=1.0, difficult=difficult)
+    (fx, fy), = seen
+    if difficult == "negative":  # every image trains, difficult ones as negatives
+        assert fx[:, 0].tolist() == [0, 1, 2, 3, 4, 5] and fy.tolist() == [1, -1, -1, 1, -1, -1]
+    else:  # the difficult ones are left out
+        assert fx[:, 0].tolist() == [0, 2, 3, 5] and fy.tolist() == [1, -1, 1, -1]
+
+
+def test_difficult_ignore_reuses_features_and_is_recorded(contract_run, pretrained, voc, tmp_path, capsys):
+    import shutil
+    import main_lowshot
+    out, _ = contract_run
+    for name in os.listdir(out):  # a copy of the cache: the handling must not change the features' key
+        if name.startswith("features_"):
+            shutil.copy(out / name, tmp_path / name)
+    main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "full", "--costs", "1",
+                       "--difficult", "ignore", "--output-dir", str(tmp_path), "--resize", "32",
+                       "--crop-size", "32", "--workers", "0"])
+    stdout = capsys.readouterr().out
+    assert stdout.count("features read from") == 2 and "difficult labels: ignore" in stdout
+    with open(tmp_path / "lowshot.json") as f:
+        report = json.load(f)
+    assert report["difficult"] == "ignore" and 0 <= report["results"][0]["mean"] <= 100
+
+
+def test_bad_inputs(pretrained, voc, tmp_path, capsys):
     import main_lowshot
     root, _ = write_voc(tmp_path / "VOC2007", n_trainval=20, n_test=4)
     missing = os.path.join(root, "ImageSets", "Main", "sheep_test.txt")
@@ -143,6 +210,14 @@ def test_bad_inputs(pretrained, voc, tmp_path):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "1", "--cost-selection", "cv"])
     help_text = main_lowshot.get_parser().format_help()
     assert "optimistic" in help_text and "--cost-selection" in help_text
+    assert "--difficult {negative,ignore}" in help_text and "reads higher" in help_text
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # argparse: usage, then one error line
+        main_lowshot.main(["--data", root, "--pretrained", pretrained, "--difficult", "hard"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and re.search(r"error: argument --difficult: invalid choice: 'hard' "
+                                          r"\(choose from '?negative'?, '?ignore'?\)", errors[0])
 
 
 def test_voc07_logreg_uses_11point_map(pretrained, voc, tmp_path):

@@ -32,3 +32,21 @@ def test_build_optimizer_kinds():
     model = nn.Linear(3, 2)
     assert isinstance(build_optimizer("lars", model, 0.1, 1e-6), LARS)
     assert isinstance(build_optimizer("sgd", model, 0.1, 1e-6), torch.optim.SGD)
+
+
+def test_weight_decay_of_biases_and_norms_follows_the_authors():
+    # under SGD every parameter decays, under LARS biases and norms do not (the authors' code)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    sgd = build_optimizer("sgd", model, 0.1, 1e-4)
+    assert [g["weight_decay"] for g in sgd.param_groups] == [1e-4, 1e-4]
+    lars = build_optimizer("lars", model, 0.1, 1e-4)
+    assert [g["lars_weight_decay"] for g in lars.param_groups] == [1e-4, 0.0]
+    assert [g["lars_exclude"] for g in lars.param_groups] == [False, True]
+    assert [g["weight_decay"] for g in build_optimizer("sgd", model, 0.1, 1e-4, exclude_bias_norm=True)
+            .param_groups] == [1e-4, 0.0]
+    # the decay really reaches a bias under SGD: zero gradient, the bias still shrinks
+    torch.nn.init.ones_(model[0].bias)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    sgd.step()
+    assert torch.allclose(model[0].bias, torch.full((3,), 1 - 0.1 * 1e-4))

@@ -18,12 +18,16 @@ def data(tmp_path_factory):
 
 
 def test_resume_equals_uninterrupted_run(data, tmp_path):
-    run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--output-dir", str(tmp_path / "a")] + TINY)
+    # a lambda schedule (warmup then cosine) is a function of the step: it resumes with the run
+    lam = ["--lambda-schedule", "cosine", "--lambda-end", "0.9", "--lambda-warmup-steps", "2",
+           "--lambda-warmup-start", "0.1"]
+    run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--output-dir", str(tmp_path / "a")] + TINY + lam)
     first = run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--stop-after-epochs", "1",
-                        "--output-dir", str(tmp_path / "b")] + TINY)
+                        "--output-dir", str(tmp_path / "b")] + TINY + lam)
     assert "stopping after 1 epoch" in first.stdout
     assert load(tmp_path / "b" / "checkpoint_last.pth")["epoch"] == 1
-    second = run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--output-dir", str(tmp_path / "b")] + TINY)
+    second = run_script(["main_pretrain.py", "--data", data, "--epochs", "2", "--output-dir", str(tmp_path / "b")]
+                        + TINY + lam)
     assert "resuming from" in second.stdout
     a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
@@ -36,7 +40,9 @@ def test_resume_equals_uninterrupted_run(data, tmp_path):
     events = EventAccumulator(str(tmp_path / "a")).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/momentum", "train/images_per_s", "train/data_wait_share",
-            "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
+            "train/lambda", "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
+    lambdas = [e.value for e in events.Scalars("train/lambda")]  # steps 0-3: warmup 0.1, 0.5, then cosine to 0.9
+    assert lambdas == pytest.approx([0.1, 0.3, 0.5, 0.9])
 
 
 def test_two_gloo_ranks_equal_one_process(data, tmp_path):
@@ -66,7 +72,7 @@ def test_methods_and_options_run(data, tmp_path):
     # baselines, eq. 10, symmetric multi-crop on device, shuffle-BN, LARS, bf16 autocast, channels-last, predictor
     run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "r"), "--method",
                 "ressl", "--symmetric", "--local-crop-sizes", "8", "--local-crop-scales", "0.1", "0.5", "--augment", "gpu",
-                "--shuffle-bn", "--optimizer", "lars", "--amp", "bf16", "--channels-last",
+                "--shuffle-bn", "--bn-splits", "2", "--optimizer", "lars", "--amp", "bf16", "--channels-last",
                 "--pred-hidden-dims", "32"] + TINY + ["--queue-size", "48"])
     ckpt = load(tmp_path / "r" / "checkpoint_last.pth")
     assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak"
@@ -132,6 +138,12 @@ def test_bad_input_is_one_line(data, tmp_path):
     (["--tau", "0"], "temperatures must be positive"),
     (["--tau-m", "-0.1"], "temperatures must be positive"),
     (["--batch-size", "100", "--queue-size", "100"], "fewer than one batch"),
+    (["--shuffle-bn", "--bn-splits", "3"], "--bn-splits 3 must divide the batch of 8"),
+    (["--shuffle-bn"], "--bn-splits 8 must divide the batch of 8 into chunks of at least 2"),
+    (["--lambda-end", "1.5"], "must lie in \\[0, 1\\]"),
+    (["--lambda-schedule", "cosine", "--method", "moco"], "need the SCE loss"),
+    (["--crop-size", "6"], "too small to blur"),
+    (["--seed", "-1"], "--seed must be >= 0"),
 ])
 def test_bad_flags(data, tmp_path, extra, match):
     user_error(["--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "o")] + TINY + extra, match)

@@ -27,6 +27,7 @@ def recipe_commands():
                     expanded = expanded.replace(f"${name}", val)
                 argv = shlex.split(expanded)
                 commands.append(argv[argv.index("main_pretrain.py") + 1:])
+    assert commands, "no commands found in RECIPES.md"
     return commands
 
 
@@ -34,7 +35,7 @@ COMMANDS = recipe_commands()
 
 
 def test_recipes_cover_the_paper():
-    assert len(COMMANDS) >= 4 + 1 + 11 + 10 + 8 + 16 + 3 + 5
+    assert len(COMMANDS) >= 4 + 1 + 11 + 10 + 8 + 16 + 3 + 5 + 1
     datasets = {c[c.index("--dataset") + 1] for c in COMMANDS if "--dataset" in c}
     assert datasets == {"cifar10", "cifar100", "stl10", "tiny-imagenet", "imagenet100"}
 
@@ -45,5 +46,8 @@ def test_recipe_parses(argv):
     keys_per_step = args.batch_size * (2 if args.symmetric else 1)
     assert args.queue_size % keys_per_step == 0
     assert args.tau_m <= args.tau or args.loss == "infonce"
-    if "--symmetric" in argv and "--pred-hidden-dims" in argv:  # the state-of-the-art rows
+    if "--symmetric" in argv and "--pred-hidden-dims" in argv:  # the state-of-the-art rows: the authors' configs
         assert args.optimizer == "lars" and args.batch_size == 4096 and args.warmup_epochs == 10
+        assert args.sync_bn and args.proj_last_bn == "no-affine"
+    if "--small-input" in argv:  # one GPU, shuffle-BN as a split BN of 8 groups that divide the batch
+        assert args.shuffle_bn and args.bn_splits == 8 and args.batch_size % 8 == 0

@@ -214,7 +214,7 @@ def sends_signal_at(signum, step):
     return build
 
 
-@pytest.mark.parametrize("extra", [[], ["--shuffle-bn"]])  # shuffle-BN draws from the global RNG
+@pytest.mark.parametrize("extra", [[], ["--shuffle-bn", "--bn-splits", "2"]])  # shuffle-BN draws from the global RNG
 def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatch, extra):
     pretrain(small, tmp_path / "ref", "--epochs", 2, *extra)
     with monkeypatch.context() as m:
