@@ -5,11 +5,8 @@ logistic regression (--classifier logreg).
     python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
     torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
 """
-import argparse
 import json
 import os
-import sys
-import time
 
 import numpy as np
 import torch
@@ -19,73 +16,67 @@ import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from sce import UserError
+from sce import UserError, cli
 from sce import distributed as du
 from sce import transfer
-from sce.builder import ARCHS
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
-from sce.knn import extract_features, knn_scores, topk_accuracy
+from sce.knn import knn_accuracy
 from sce.loader import DATASETS, MEAN, STD, build_dataset, eval_transform
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
 
 NATIVE_CROP = {"cifar10": 32, "cifar100": 32, "stl10": 96, "tiny-imagenet": 64}  # else 224
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Appends the default to each flag's help, unless it is None / False or the help states it."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, "") or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--data", required=True, help="DATA with train/ and val/ (ImageFolder), the root of a "
-                   "built-in dataset, or a VOCdevkit/VOC2007 tree (--dataset voc07)")
-    p.add_argument("--dataset", default="imagefolder", choices=DATASETS + ["voc07"], help="data layout")
-    p.add_argument("--pretrained", default="", help="main_pretrain.py / main_lincls.py checkpoint or a "
-                   "torchvision ResNet state dict")
-    p.add_argument("--encoder", default="online", choices=["online", "momentum"],
-                   help="which trunk of a main_pretrain.py checkpoint")
-    p.add_argument("--arch", default=None, choices=ARCHS, help="default: the checkpoint's")
-    p.add_argument("--small-input", default=None, action=argparse.BooleanOptionalAction,
-                   help="3x3 stem without max-pool (default: the checkpoint's)")
+    p = cli.make_parser(__doc__)
+    p.add_argument("--data", metavar="DIR", required=True, help="DIR with train/ and val/ (ImageFolder), the root "
+                   "of a built-in dataset, or a VOCdevkit/VOC2007 tree (--dataset voc07)")
+    p.add_argument("--dataset", default="imagefolder", choices=DATASETS + ["voc07"], help="layout of --data")
+    cli.add_trunk_args(p, required=False)
     p.add_argument("--classifier", default="linear", choices=["linear", "knn", "logreg"],
                    help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
     p.add_argument("--knn", action="store_true", help="same as --classifier knn")
     p.add_argument("--crop-size", type=int, default=None,
-                   help="default: 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224")
-    p.add_argument("--workers", type=int, default=8, help="data-loading processes per rank")
-    p.add_argument("--output-dir", default="lincls", help="checkpoints, results_*.json, feature cache")
-    p.add_argument("--seed", type=int, default=0, help="head init, shuffling, logreg hold-out")
-    p.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU, fp16 on GPU)")
-    # linear classifier
-    p.add_argument("--schedule", default="step", choices=["step", "cosine"],
+                   help="input size in pixels (default: 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224)")
+    p.add_argument("-j", "--workers", type=int, default=8, help="data-loading processes per rank")
+    p.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lincls"),
+                   help="checkpoints, results_<classifier>.json, TensorBoard scalars, feature cache")
+    p.add_argument("--seed", type=int, default=0, help="seed of the head init, the shuffling and the logreg hold-out")
+    cli.add_amp_arg(p)
+    g = p.add_argument_group("linear classifier")
+    g.add_argument("--schedule", default="step", choices=["step", "cosine"],
                    help="step: lr 30, 100 epochs, x0.1 at --milestones (small datasets, ImageNet100); "
                    "cosine: lr 0.1 x batch/256, 90 epochs, batch 1024 (ImageNet)")
-    p.add_argument("--epochs", type=int, default=None, help="default: 100 step, 90 cosine")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch; default: 256 step, 1024 cosine")
-    p.add_argument("--lr", type=float, default=None, help="default: 30 step, 0.1 x batch/256 cosine")
-    p.add_argument("--milestones", type=int, nargs="+", default=[60, 80], help="step schedule: lr x0.1 at these epochs")
-    p.add_argument("--warmup-epochs", type=int, default=0, help="linear warmup, cosine schedule only")
-    p.add_argument("--wd", type=float, default=0.0, help="weight decay of fc.weight")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD / LARS momentum")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="optimizer of the head")
-    p.add_argument("--print-freq", type=int, default=10, help="progress line every N steps")
-    p.add_argument("--resume", default="", help="a main_lincls.py checkpoint_last.pth to continue")
-    p.add_argument("--evaluate", action="store_true", help="only evaluate the --resume / --pretrained head")
-    # kNN
-    p.add_argument("--knn-k", type=int, default=200, help="neighbours that vote")
-    p.add_argument("--knn-t", type=float, default=0.07, help="votes weigh exp(cos / t)")
-    # many-shot logistic regression
-    p.add_argument("--metric", default="auto", choices=["auto"] + transfer.METRICS,
-                   help="logreg metric; auto: map11 for voc07, else top1")
-    p.add_argument("--val-fraction", type=float, default=0.2,
-                   help="logreg: share of train held out to pick C (voc07 uses its val split)")
-    p.add_argument("--logreg-c", type=float, default=None, help="skip the C search and use this C")
-    p.add_argument("--logreg-max-iter", type=int, default=1000, help="L-BFGS iterations per fit")
+    g.add_argument("--epochs", type=int, default=None, help="training epochs (default: 100 step, 90 cosine)")
+    g.add_argument("-b", "--batch-size", type=int, default=None,
+                   help="global batch over all ranks (default: 256 step, 1024 cosine)")
+    g.add_argument("--lr", "--learning-rate", type=float, default=None,
+                   help="learning rate (default: 30 step, 0.1 x batch/256 cosine)")
+    g.add_argument("--milestones", metavar="EPOCH", type=int, nargs="+", default=[60, 80],
+                   help="step schedule: lr x0.1 at these epochs")
+    g.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear lr warmup, cosine schedule only")
+    g.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="weight decay of fc.weight")
+    g.add_argument("--sgd-momentum", "--momentum", type=float, default=0.9, help="momentum of SGD / LARS")
+    g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="optimizer of the head")
+    g.add_argument("-p", "--print-freq", type=int, default=10, help="progress line every N steps")
+    g.add_argument("--resume", metavar="PATH", default="none",
+                   help="continue a main_lincls.py run from its checkpoint_last.pth: trunk, head, optimizer, "
+                   "scaler, epoch and best Acc@1 come from the file (no --pretrained needed) and training "
+                   "goes on to --epochs; 'auto': OUTPUT_DIR/checkpoint_last.pth if it exists, else start "
+                   "fresh; 'none': start fresh")
+    g.add_argument("-e", "--evaluate", action="store_true",
+                   help="only measure val Acc@1 / Acc@5 of the head of a main_lincls.py checkpoint "
+                   "(--pretrained or --resume)")
+    g = p.add_argument_group("kNN")
+    g.add_argument("--knn-k", type=int, default=200, help="neighbours that vote")
+    g.add_argument("--knn-t", type=float, default=0.07, help="temperature: votes weigh exp(cos / t)")
+    g = p.add_argument_group("many-shot logistic regression")
+    g.add_argument("--metric", default="auto", choices=["auto"] + transfer.METRICS,
+                   help="auto: map11 for voc07, else top1")
+    g.add_argument("--val-fraction", type=float, default=0.2,
+                   help="share of train held out to pick C (voc07 uses its val split)")
+    g.add_argument("--logreg-c", metavar="C", type=float, default=None, help="skip the C search and use this C")
+    g.add_argument("--logreg-max-iter", type=int, default=1000, help="L-BFGS iterations per fit")
     return p
 
 
@@ -100,6 +91,10 @@ def main(argv=None):
     args.crop_size = args.crop_size or NATIVE_CROP.get(args.dataset, 224)
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
+    if args.resume == "auto":
+        last = os.path.join(args.output_dir, "checkpoint_last.pth")
+        args.resume = last if os.path.isfile(last) else "none"
+    args.resume = "" if args.resume in ("none", "") else args.resume
     source = args.resume or args.pretrained
     if not source:
         raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
@@ -166,7 +161,7 @@ def validate(model, val_loader, device, amp):
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
     for images, target in val_loader:
         images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        with torch.autocast(device.type, enabled=amp):
+        with cli.autocast(device, amp):
             out = model(images).float()
         hit = out.topk(min(5, out.shape[1]), dim=1).indices == target[:, None]
         totals += torch.stack([F.cross_entropy(out, target, reduction="sum").double(),
@@ -175,6 +170,16 @@ def validate(model, val_loader, device, amp):
     totals = du.all_reduce_sum(totals)
     n = max(totals[3].item(), 1.0)
     return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
+
+
+def tensorboard(output_dir):
+    """A SummaryWriter on OUTPUT_DIR, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("tensorboard is not installed: no TensorBoard scalars", flush=True)
+        return None
+    return SummaryWriter(output_dir)
 
 
 def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_rank):
@@ -221,8 +226,9 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
     # DDP only all-reduces parameters that require grad: here those of fc
     ddp = (DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
            if world > 1 else model)
-    optimizer = build_optimizer(args.optimizer, model, args.lr, args.wd, args.momentum, exclude_bias_norm=True)
-    scaler = torch.amp.GradScaler("cuda", enabled=args.amp and device.type == "cuda")
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, args.sgd_momentum,
+                                exclude_bias_norm=True)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     start_epoch, best_acc1 = 0, -1.0  # the first evaluated epoch is always the best so far
     if args.resume:
         load_optimizer_state(optimizer, ckpt["optimizer"])
@@ -232,19 +238,22 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
         if du.is_main():
             print(f"=> resumed from {source} at epoch {start_epoch} (best Acc@1 {best_acc1:.2f})", flush=True)
 
+    writer = tensorboard(args.output_dir) if du.is_main() else None
     steps = len(train_loader)
+    # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
+    progress = cli.Progress((args.epochs - start_epoch) * len(sampler) * world)
     acc1 = acc5 = None
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         if args.schedule == "step":
             set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
-        tic, seen = time.time(), 0
+        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0  # this rank's, for the epoch mean
         for i, (images, target) in enumerate(train_loader):
             if args.schedule == "cosine":
                 set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr,
                                             args.warmup_epochs * steps))
             images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
-            with torch.autocast(device.type, enabled=args.amp):
+            with cli.autocast(device, args.amp):
                 loss = F.cross_entropy(ddp(images).float(), target)
             if not torch.isfinite(loss):
                 raise UserError(f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}: lower --lr")
@@ -252,49 +261,74 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            seen += len(images) * world
+            loss_sum += loss.detach().double() * len(images)
+            seen += len(images)
+            progress.update(len(images) * world)
             if du.is_main() and ((i + 1) % args.print_freq == 0 or i + 1 == steps):
-                lr = optimizer.param_groups[0]["lr"]
                 print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
-                      f"lr {lr:.4g} {seen / (time.time() - tic):.0f} images/s", flush=True)
-                tic, seen = time.time(), 0
+                      f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
         if epoch == start_epoch:
             check_frozen(model, reference)
+        totals = du.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(seen))]))
+        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
         acc1, acc5, val_loss = validate(model, val_loader, device, args.amp)
         is_best = acc1 > best_acc1
         best_acc1 = max(acc1, best_acc1)
         if du.is_main():
             print(f"Epoch {epoch + 1}/{args.epochs}: Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} val loss {val_loss:.4f} "
                   f"(best Acc@1 {best_acc1:.2f})", flush=True)
+            if writer:
+                for tag, value in [("train/loss", train_loss), ("train/lr", optimizer.param_groups[0]["lr"]),
+                                   ("val/acc1", acc1), ("val/acc5", acc5), ("val/loss", val_loss)]:
+                    writer.add_scalar(tag, value, epoch + 1)
+                writer.flush()
             state = {"kind": "lincls", "epoch": epoch + 1, "args": vars(args), "model": model.state_dict(),
                      "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                      "best_acc1": best_acc1, "acc1": acc1, "acc5": acc5}
             save_atomic(state, os.path.join(args.output_dir, "checkpoint_last.pth"))
             if is_best:
                 save_atomic(state, os.path.join(args.output_dir, "model_best.pth"))
+    if writer:
+        writer.close()
     if du.is_main():
         print(f"best Acc@1 {best_acc1:.2f}", flush=True)
         write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs})
 
 
+# ---------------------------------------------------------------- features (kNN, logistic regression)
+
+def one_process():
+    """True on rank 0, which goes on alone (scikit-learn runs on one process): every rank leaves the
+    process group first, so that no rank waits under a collective timeout while rank 0 works."""
+    main = du.is_main()
+    du.cleanup()
+    return main
+
+
+def features(args, trunk, ds, split, source, device):
+    """Cached trunk features of one split (not normalised), and its labels."""
+    x = cli.split_features(trunk, ds, split, args.output_dir, device, checkpoint=source, batch_size=256,
+                           workers=args.workers, amp=args.amp, encoder=args.encoder, arch=args.arch,
+                           small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data))
+    return x, np.asarray(ds.targets)
+
+
 # ---------------------------------------------------------------- kNN
 
 def run_knn(args, trunk, feat_dim, ckpt, source, device, rank, world, local_rank):
-    # the memory bank is the train split, the queries the val split, both without augmentation
+    # the memory bank is the train split, the queries the val split, both without augmentation; every
+    # rank extracts and scores its share (sce.knn), as the kNN monitor of main_pretrain.py does
     tf = eval_transform(False, args.crop_size, args.small_input)
     train_ds = build_dataset(args.dataset, args.data, "train", tf)
     val_ds = build_dataset(args.dataset, args.data, "val", tf)
     num_classes = num_classes_of(train_ds, val_ds, args)
-    if not du.is_main():  # one pass over the data on one process; no collective follows
-        return
-    with torch.autocast(device.type, enabled=args.amp):
-        bank, bank_labels = extract_features(trunk, loader(train_ds, 256, args, False), device)
-        queries, labels = extract_features(trunk, loader(val_ds, 256, args, False), device)
-    scores = knn_scores(bank, bank_labels, queries, num_classes, args.knn_k, args.knn_t)
-    top1, top5 = topk_accuracy(scores, labels)
-    print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
-          f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
-    write_results(args, {"acc1": top1, "acc5": top5, "k": args.knn_k, "t": args.knn_t})
+    with cli.autocast(device, args.amp):
+        top1, top5 = knn_accuracy(trunk, train_ds, val_ds, num_classes, device, args.knn_k, args.knn_t,
+                                  workers=args.workers)
+    if du.is_main():
+        print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(train_ds)} train / {len(val_ds)} val images): "
+              f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
+        write_results(args, {"acc1": top1, "acc5": top5, "k": args.knn_k, "t": args.knn_t})
 
 
 # ---------------------------------------------------------------- many-shot logistic regression
@@ -307,19 +341,13 @@ def run_logreg(args, trunk, feat_dim, ckpt, source, device, rank, world, local_r
     if (metric == "map11") != (args.dataset == "voc07"):
         raise UserError(f"--metric {metric} does not fit --dataset {args.dataset}: map11 is for the "
                         "multi-label voc07, top1 / mean-per-class for the others")
-    if not du.is_main():  # scikit-learn runs on one process; no collective follows
+    if not one_process():  # scikit-learn runs on one process
         return
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    def features(split, ds):
-        key = transfer.feature_key(source, encoder=args.encoder, arch=args.arch, small_input=args.small_input,
-                                   dataset=args.dataset, data=args.data, split=split, transform=repr(tf), n=len(ds))
-        return transfer.cached_features(args.output_dir, split, key, lambda: transfer.extract_features(
-            trunk, ds, device, 256, args.workers, args.amp, name=f"{split} features"))
 
     if args.dataset == "voc07":  # its own val split picks C, then train+val is refit
-        split_data = {s: transfer.read_voc07(args.data, s) for s in ("train", "val", "test")}
-        feats = {s: features(s, transfer.ImageList(p, y, tf)) for s, (p, y) in split_data.items()}
+        split_data = {s: transfer.read_voc07(args.data, s) for s in ("train", "val", "test")}  # all checked first
+        feats = {s: features(args, trunk, transfer.ImageList(p, y, tf), s, source, device)[0]
+                 for s, (p, y) in split_data.items()}
         labels = {s: y for s, (_, y) in split_data.items()}
         sel_x, sel_y, val_x, val_y = feats["train"], labels["train"], feats["val"], labels["val"]
         fit_x = np.concatenate([feats["train"], feats["val"]])
@@ -329,8 +357,8 @@ def run_logreg(args, trunk, feat_dim, ckpt, source, device, rank, world, local_r
         train_ds = build_dataset(args.dataset, args.data, "train", tf)
         test_ds = build_dataset(args.dataset, args.data, "val", tf)
         num_classes_of(train_ds, test_ds, args)
-        fit_x, fit_y = features("train", train_ds), np.asarray(train_ds.targets)
-        test_x, test_y = features("val", test_ds), np.asarray(test_ds.targets)
+        fit_x, fit_y = features(args, trunk, train_ds, "train", source, device)
+        test_x, test_y = features(args, trunk, test_ds, "val", source, device)
         tr, va = transfer.holdout_split(fit_y, args.val_fraction, args.seed)
         sel_x, sel_y, val_x, val_y = fit_x[tr], fit_y[tr], fit_x[va], fit_y[va]
 
@@ -348,7 +376,4 @@ def run_logreg(args, trunk, feat_dim, ckpt, source, device, rank, world, local_r
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    cli.run(main)

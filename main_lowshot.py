@@ -21,18 +21,14 @@ cross-validated mAP on the training draw itself and evaluates only that cost on 
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 import torch
 import torchvision.transforms as T
 
-from sce import UserError
-from sce import transfer
-from sce.builder import ARCHS
+from sce import UserError, cli, transfer
 from sce.checkpoint import checkpoint_arch, load_trunk
 from sce.loader import MEAN, STD
-from main_lincls import HelpFormatter
 
 
 def shots_arg(value):
@@ -48,38 +44,35 @@ def shots_arg(value):
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--data", required=True, help="VOCdevkit/VOC2007: JPEGImages/ and "
+    p = cli.make_parser(__doc__)
+    p.add_argument("--data", metavar="DIR", required=True, help="VOCdevkit/VOC2007: JPEGImages/ and "
                    "ImageSets/Main/<class>_{trainval,test}.txt")
-    p.add_argument("--pretrained", required=True, help="main_pretrain.py / main_lincls.py checkpoint or a "
-                   "torchvision ResNet state dict")
-    p.add_argument("--encoder", default="online", choices=["online", "momentum"],
-                   help="which trunk of a main_pretrain.py checkpoint")
-    p.add_argument("--arch", default=None, choices=ARCHS, help="default: the checkpoint's")
-    p.add_argument("--small-input", default=None, action=argparse.BooleanOptionalAction,
-                   help="3x3 stem without max-pool (default: the checkpoint's)")
-    p.add_argument("--shots", type=shots_arg, nargs="+", default=[16, 32, 64, "full"],
-                   help="positives drawn per class (K), or 'full' for all of trainval")
-    p.add_argument("--runs", type=int, default=5, help="draws per K ('full': 1)")
-    p.add_argument("--seed", type=int, default=0, help="draw r of K uses the seed (SEED, K, r)")
-    p.add_argument("--costs", type=float, nargs="+", default=[0.01, 0.1, 0.5, 1.0, 10.0, 100.0],
+    cli.add_trunk_args(p, required=True)
+    g = p.add_argument_group("low-shot protocol")
+    g.add_argument("--shots", metavar="K", type=shots_arg, nargs="+", default=[16, 32, 64, "full"],
+                   help="positives drawn per class, or 'full' for all of trainval")
+    g.add_argument("--runs", type=int, default=5, help="draws per K ('full': 1)")
+    g.add_argument("--seed", type=int, default=0, help="draw r of K uses the seed (SEED, K, r)")
+    g.add_argument("--costs", metavar="C", type=float, nargs="+", default=[0.01, 0.1, 0.5, 1.0, 10.0, 100.0],
                    help="LinearSVC cost grid")
-    p.add_argument("--cost-selection", default="test", choices=["test", "cv"],
+    g.add_argument("--cost-selection", default="test", choices=["test", "cv"],
                    help="test: best mean test mAP over the grid (the published protocol; optimistic, "
                    "the cost is tuned on the test set); cv: per draw, best cross-validated mAP on the "
                    "training draw (needs K >= 2)")
-    p.add_argument("--cv-folds", type=int, default=3, help="folds of --cost-selection cv")
-    p.add_argument("--difficult", default="negative", choices=transfer.DIFFICULT,
+    g.add_argument("--cv-folds", type=int, default=3, help="folds of --cost-selection cv")
+    g.add_argument("--difficult", default="negative", choices=transfer.DIFFICULT,
                    help="difficult (0) labels: negative = count them as negatives in SVM training and "
                    "test AP (default; PCL's evaluation code that produced the paper's numbers); ignore = "
                    "drop them from training and AP (VOC devkit convention; reads higher)")
-    p.add_argument("--resize", type=int, default=256, help="resize of the short side")
-    p.add_argument("--crop-size", type=int, default=224, help="centre crop")
-    p.add_argument("--batch-size", type=int, default=128, help="feature extraction batch")
-    p.add_argument("--workers", type=int, default=8, help="data-loading processes")
-    p.add_argument("--jobs", type=int, default=1, help="SVMs trained in parallel (-1: all cores)")
-    p.add_argument("--amp", action="store_true", help="mixed-precision feature extraction")
-    p.add_argument("--output-dir", default="lowshot", help="feature cache and lowshot.json")
+    g.add_argument("--jobs", type=int, default=1, help="SVMs trained in parallel (-1: all cores)")
+    g = p.add_argument_group("features")
+    g.add_argument("--resize", type=int, default=256, help="resize of the short side, in pixels")
+    g.add_argument("--crop-size", type=int, default=224, help="centre crop, in pixels")
+    g.add_argument("-b", "--batch-size", type=int, default=128, help="images per forward pass")
+    g.add_argument("-j", "--workers", type=int, default=8, help="data-loading processes")
+    cli.add_amp_arg(g)
+    g.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lowshot"),
+                   help="feature cache and lowshot.json")
     return p
 
 
@@ -103,11 +96,10 @@ def main(argv=None):
     tf = T.Compose([T.Resize(args.resize), T.CenterCrop(args.crop_size), T.ToTensor(), T.Normalize(MEAN, STD)])
 
     def features(split, paths, labels):
-        key = transfer.feature_key(args.pretrained, encoder=args.encoder, arch=arch, small_input=small_input,
-                                   dataset="voc07", data=args.data, split=split, transform=repr(tf), n=len(paths))
-        feats = transfer.cached_features(args.output_dir, split, key, lambda: transfer.extract_features(
-            trunk, transfer.ImageList(paths, labels, tf), device, args.batch_size, args.workers, args.amp,
-            name=f"{split} features"))
+        feats = cli.split_features(trunk, transfer.ImageList(paths, labels, tf), split, args.output_dir, device,
+                                   checkpoint=args.pretrained, batch_size=args.batch_size, workers=args.workers,
+                                   amp=args.amp, encoder=args.encoder, arch=arch, small_input=small_input,
+                                   dataset="voc07", data=os.path.abspath(args.data))
         return transfer.l2_normalize_rows(feats)
 
     train_x = features("trainval", trainval_paths, trainval_y)
@@ -162,7 +154,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+    cli.run(main)

@@ -9,19 +9,16 @@ the command of every setting of the paper.
 """
 import argparse
 import dataclasses
-import datetime
 import functools
-import math
+import json
 import os
 import random
-import signal
-import sys
 import time
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
-from sce import UserError, checkpoint, losses
+from sce import UserError, checkpoint, cli, losses
 from sce import distributed as du
 from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
 from sce.builder import ARCHS, SCE, momentum_at
@@ -29,10 +26,11 @@ from sce.device_augment import DeviceViews
 from sce.engine import Training, check_compile, compile_model, train_step
 from sce.knn import knn_accuracy
 from sce.loader import (DATASETS, PretrainDataset, ResumableSampler, build_dataset, digits_imagefolder,
-                        eval_transform)
+                        eval_transform, note_bad_images)
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, scheduled, set_lr
+from sce.preemption import PREEMPTED_EXIT_CODE, Preemption, ignore_stop_signals
+from sce.preview import view_labels, views_grid, write_preview
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
 
 # method -> (loss, tau, tau_m, online aug, target aug); a flag given on the command line wins
 METHODS = {
@@ -50,99 +48,117 @@ DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=20, batch_si
             online_aug="strong-beta",
             output_dir=os.path.join("runs", "demo"), knn_every=0)
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = cli.make_parser(__doc__)
 g = parser.add_argument_group("data")
 g.add_argument("--data", metavar="DIR", help="dataset root; omitted: run the embedded digits demo")
 g.add_argument("--dataset", default="imagefolder", choices=DATASETS,
-               help="format of --data (default: imagefolder, DIR/train used when present)")
-g.add_argument("--class-list", help="class-id file for --dataset imagenet100 (default: the paper's 100 classes)")
-g.add_argument("--workers", type=int, default=8, help="data-loading processes per rank (default: 8)")
+               help="format of --data (an ImageFolder uses DIR/train when present)")
+g.add_argument("--class-list", metavar="FILE",
+               help="class ids of --dataset imagenet100 (default: the paper's 100 classes)")
+g.add_argument("-j", "--workers", type=int, default=8, help="data-loading processes per rank")
 g.add_argument("--augment", choices=["cpu", "gpu"],
                help="where the photometric augmentations run: in the loader workers (cpu), or batched on the "
                     "training device (gpu; the workers only decode, crop and flip) (default: gpu on CUDA, else cpu)")
-g.add_argument("--crop-size", type=int, default=224, help="global view size in pixels (default: 224)")
-g.add_argument("--min-scale", type=float, default=0.2, help="random resized crop min scale of global views (default: 0.2)")
-g.add_argument("--online-aug", choices=list(AUGMENTATIONS), help="augmentation of online view 1 (default: per method, strong)")
-g.add_argument("--target-aug", choices=list(AUGMENTATIONS), help="augmentation of target view 0 (default: per method: weak for sce/ressl, strong for moco)")
-g.add_argument("--local-aug", default="strong-gamma", choices=list(AUGMENTATIONS), help="augmentation of local crops (default: strong-gamma)")
-g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], help="multi-crop sizes, e.g. 192 160 128 96 (default: none)")
-g.add_argument("--local-crop-scales", type=float, nargs="*", default=[],
-               help="min max scale per local crop, e.g. 0.172 0.86 0.143 0.715 0.114 0.571 0.086 0.429")
+g.add_argument("--crop-size", type=int, default=224, help="size of the global views in pixels")
+g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
+g.add_argument("--online-aug", choices=list(AUGMENTATIONS),
+               help="Table 2 row of online view 1 (default: the method's, strong)")
+g.add_argument("--target-aug", choices=list(AUGMENTATIONS),
+               help="Table 2 row of target view 0 (default: the method's: weak for sce / ressl, strong for moco)")
+g.add_argument("--local-aug", default="strong-gamma", choices=list(AUGMENTATIONS), help="Table 2 row of local crops")
+g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], metavar="PX",
+               help="multi-crop: sizes of the local crops, e.g. 192 160 128 96 (default: none)")
+g.add_argument("--local-crop-scales", type=float, nargs="*", default=[], metavar="SCALE",
+               help="min and max area share of each local crop, e.g. 0.172 0.86 0.143 0.715 0.114 0.571 0.086 0.429")
 g.add_argument("--max-bad-images", type=int, default=-1,
                help="unreadable images tolerated before stopping (default: -1 = 0.1%% of the dataset)")
 g = parser.add_argument_group("model")
-g.add_argument("--arch", default="resnet50", help=f"torchvision ResNet: {', '.join(ARCHS)} (default: resnet50)")
+g.add_argument("-a", "--arch", default="resnet50", help=f"torchvision ResNet: {', '.join(ARCHS)}")
 g.add_argument("--small-input", action="store_true", help="3x3 stride-1 conv1 and no max-pool, for 32-96 px images")
-g.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], help="projector hidden widths (default: 2048 2048)")
-g.add_argument("--proj-dim", type=int, default=256, help="projector output dim (default: 256)")
+g.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], metavar="DIM",
+               help="widths of the projector's hidden layers")
+g.add_argument("--proj-dim", type=int, default=256, help="projector output dimension")
 g.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
-               help="BN after the projector's last layer (default: affine; MoCo v3: no-affine)")
-g.add_argument("--pred-hidden-dims", type=int, nargs="*", default=[],
-               help="predictor hidden widths, e.g. 4096 (default: none = no predictor)")
+               help="BN after the projector's last layer (MoCo v3 and the authors' LARS runs: no-affine)")
+g.add_argument("--pred-hidden-dims", type=int, nargs="*", default=[], metavar="DIM",
+               help="widths of the predictor's hidden layers, e.g. 4096 (default: none = no predictor)")
 g.add_argument("--sync-bn", action="store_true", help="synchronise BN statistics across ranks")
 g.add_argument("--shuffle-bn", action="store_true", help="MoCo shuffle-BN for the momentum branch")
 g.add_argument("--bn-splits", type=int, default=8,
                help="--shuffle-bn on one process: every BN computes its statistics over this many chunks of the "
-                    "batch, as on that many GPUs (the authors' single-GPU small-dataset runs) (default: 8)")
+                    "batch, as on that many GPUs (the authors' single-GPU small-dataset runs)")
 g = parser.add_argument_group("objective")
-g.add_argument("--method", default="sce", choices=list(METHODS), help="sce, or the baselines moco (v2) / ressl (default: sce)")
-g.add_argument("--lambda", dest="lambda_", type=float, default=0.5, help="weight of the one-hot target, eq. 7 (default: 0.5)")
+g.add_argument("--method", default="sce", choices=list(METHODS), help="sce, or the baselines moco (v2) / ressl")
+g.add_argument("--lambda", dest="lambda_", type=float, default=0.5, metavar="LAMBDA",
+               help="weight of the one-hot target, eq. 7")
 g.add_argument("--lambda-schedule", default="constant", choices=["constant", "linear", "cosine"],
                help="lambda after its warmup: constant, or linear / cosine from --lambda to --lambda-end at the "
-                    "last step (a varying lambda is the paper's future work; the authors' later code has it) "
-                    "(default: constant)")
-g.add_argument("--lambda-end", type=float, help="lambda at the last step (default: --lambda)")
-g.add_argument("--lambda-warmup-steps", type=int, default=0, help="steps of a linear rise of lambda from "
-               "--lambda-warmup-start to --lambda (default: 0)")
-g.add_argument("--lambda-warmup-start", type=float, help="lambda at step 0 of its warmup (default: --lambda)")
+                    "last step (a varying lambda is the paper's future work; the authors' later code has it)")
+g.add_argument("--lambda-end", type=float, metavar="LAMBDA", help="lambda at the last step (default: --lambda)")
+g.add_argument("--lambda-warmup-steps", type=int, default=0, metavar="STEPS",
+               help="steps of a linear rise of lambda from --lambda-warmup-start to --lambda")
+g.add_argument("--lambda-warmup-start", type=float, metavar="LAMBDA",
+               help="lambda at step 0 of its warmup (default: --lambda)")
 g.add_argument("--tau", type=float, help="online temperature (default: 0.1; moco 0.2)")
 g.add_argument("--tau-m", type=float, help="target temperature (default: 0.07; ressl 0.04)")
 g.add_argument("--mask-positive", action="store_true",
                help="eq. 3 strictly: the positive gets target weight 0 (default: the published constant 0 logit)")
 g.add_argument("--loss-coeffs", type=float, nargs=3, metavar=("LAMBDA", "MU", "ETA"),
                help="optimise eq. 10 with free coefficients (Table 3) instead of eq. 9")
-g.add_argument("--queue-size", type=int, default=65536, help="memory buffer size M (default: 65536)")
+g.add_argument("--queue-size", type=int, default=65536, help="memory buffer size M")
 g.add_argument("--symmetric", action="store_true", help="symmetrised loss: both global views serve as targets")
-g.add_argument("--ema-momentum", type=float, default=0.996, help="momentum-encoder EMA start value m0 (default: 0.996)")
-g.add_argument("--ema-schedule", default="cosine", choices=["cosine", "constant"], help="m0 -> 1 cosine, or constant (default: cosine)")
+g.add_argument("--ema-momentum", type=float, default=0.996, help="momentum-encoder EMA value at the first step, m0")
+g.add_argument("--ema-schedule", default="cosine", choices=["cosine", "constant"],
+               help="EMA momentum from m0 to 1 along a cosine, or constant m0")
 g = parser.add_argument_group("optimisation")
-g.add_argument("--epochs", type=int, default=200, help="(default: 200)")
-g.add_argument("--batch-size", type=int, default=512, help="global batch over all ranks (default: 512)")
-g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="(default: sgd)")
-g.add_argument("--lr", type=float, default=0.5, help="base lr, scaled by batch/256 (default: 0.5)")
-g.add_argument("--weight-decay", type=float, default=1e-4, help="(default: 1e-4)")
-g.add_argument("--sgd-momentum", type=float, default=0.9, help="(default: 0.9)")
+g.add_argument("--epochs", type=int, default=200, help="length of the schedules, in epochs")
+g.add_argument("-b", "--batch-size", type=int, default=512, help="global batch over all ranks")
+g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="SGD with momentum, or LARS")
+g.add_argument("--lr", type=float, default=0.5, help="base learning rate, scaled by batch / 256")
+g.add_argument("--weight-decay", "--wd", type=float, default=1e-4, help="weight decay")
+g.add_argument("--sgd-momentum", type=float, default=0.9, help="momentum of SGD / LARS")
 g.add_argument("--wd-exclude-bias-norm", action=argparse.BooleanOptionalAction,
                help="no weight decay on biases and BN parameters (default: on under LARS, off under SGD, as the "
                     "authors' code)")
-g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup before the cosine decay (default: 5)")
+g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup of the lr before its cosine decay")
 g = parser.add_argument_group("runtime")
-g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="mixed precision (default: none)")
+g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="mixed precision (autocast)")
 g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
 g.add_argument("--compile", action="store_true",
                help="torch.compile the encoders and heads (checkpoints stay interchangeable with eager runs)")
-g.add_argument("--seed", type=int, default=0, help="(default: 0)")
-g.add_argument("--output-dir", default=os.path.join("runs", "sce"), help="checkpoints and TensorBoard logs (default: runs/sce)")
+g.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and every view")
+g.add_argument("--output-dir", default=os.path.join("runs", "sce"), metavar="DIR",
+               help="args.json, log.txt, checkpoints and TensorBoard logs")
 g.add_argument("--resume", default="auto", help="auto: continue from OUTPUT_DIR/checkpoint_last.pth if present; "
                "a path; or none to start fresh (default: auto)")
-g.add_argument("--save-freq", type=int, default=10, help="also keep checkpoint_NNNN.pth every N epochs (default: 10)")
-g.add_argument("--keep-checkpoints", type=int, default=0, help="numbered checkpoints kept, 0 = all (default: 0)")
-g.add_argument("--stop-after-epochs", type=int, default=0,
-               help="end this invocation after N completed epochs, the schedule still follows --epochs (default: 0 = off)")
-g.add_argument("--print-freq", type=int, default=20, help="progress line every N steps (default: 20)")
-g.add_argument("--max-nonfinite-steps", type=int, default=20, help="stop after N consecutive non-finite losses (default: 20)")
-g.add_argument("--dist-timeout", type=int, default=1800, help="collective timeout in seconds (default: 1800)")
+g.add_argument("--save-freq", type=int, default=10, metavar="EPOCHS",
+               help="also keep checkpoint_NNNN.pth every this many epochs")
+g.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="numbered checkpoints kept, 0 = all")
+g.add_argument("--stop-after-epochs", type=int, default=0, metavar="N",
+               help="end this invocation after N completed epochs, the schedule still follows --epochs (0: off)")
+g.add_argument("--print-freq", type=int, default=20, metavar="STEPS", help="progress line every this many steps")
+g.add_argument("--max-nonfinite-steps", type=int, default=20, metavar="N",
+               help="stop after N consecutive non-finite losses")
+g.add_argument("--dist-timeout", type=int, default=1800, metavar="SECONDS", help="timeout of collectives")
+g.add_argument("--preview-views", metavar="PNG", help="write a grid of the augmented views of 8 images (rows: images; "
+               "columns: the views, labelled) to PNG and exit without training")
 g.add_argument("--knn-data", metavar="DIR", help="ImageFolder with train/ and val/ for the kNN monitor")
-g.add_argument("--knn-every", type=int, default=1, help="kNN monitor every N epochs (default: 1)")
-g.add_argument("--knn-k", type=int, default=200, help="(default: 200)")
-g.add_argument("--knn-t", type=float, default=0.07, help="(default: 0.07)")
+g.add_argument("--knn-every", type=int, default=1, metavar="EPOCHS", help="kNN monitor every N epochs, and after the last")
+g.add_argument("--knn-max-train", type=int, metavar="N",
+               help="bank of the kNN monitor: a seeded subset of N train images, for quick monitoring (default: all)")
+g.add_argument("--knn-k", type=int, default=200, help="neighbours that vote in the kNN monitor")
+g.add_argument("--knn-t", type=float, default=0.07, help="kNN votes weigh exp(cos / t)")
 
 
 def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.data is None:  # embedded demo: its own defaults, flags given still win
+        defaults = {key: parser.get_default(key) for key in DEMO}
         parser.set_defaults(**DEMO)
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        finally:
+            parser.set_defaults(**defaults)  # a later parse in this process gets the usual defaults
         args.demo = True
         args.data = digits_imagefolder(os.path.join(os.path.expanduser("~"), ".cache", "sce", "digits"))
         args.knn_data = args.knn_data or args.data
@@ -172,6 +188,9 @@ def check_args(args):
         raise UserError("--batch-size, --epochs and --queue-size must be positive")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0 (got {args.seed})")
+    if args.knn_max_train is not None and args.knn_max_train <= 0:
+        raise UserError(f"--knn-max-train must be a positive number of images (got {args.knn_max_train}): "
+                        "omit it to use the whole train split")
     lambdas = [v for v in (args.lambda_end, args.lambda_warmup_start) if v is not None]
     if not all(0 <= v <= 1 for v in lambdas):
         raise UserError(f"--lambda-end and --lambda-warmup-start must lie in [0, 1] (got {lambdas})")
@@ -220,6 +239,21 @@ def find_resume(args):
     return args.resume
 
 
+def check_ranks_agree(args):
+    """Nodes started with different commands, or seeing different output dirs, stop here: each
+    rank would otherwise train its own way or resume from another step."""
+    path = find_resume(args)
+    stat = os.stat(path) if path else None
+    mine = {"--batch-size": args.batch_size,
+            "the checkpoint to resume": f"{path} ({stat.st_size} bytes, mtime {int(stat.st_mtime)})" if stat else "none"}
+    everyone = du.all_gather_object(mine)
+    for key in mine:
+        values = [e[key] for e in everyone]
+        if len(set(values)) > 1:
+            raise UserError(f"ranks disagree on {key} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}): "
+                            "start every node with the same command and an --output-dir they all share")
+
+
 def prepare_output_dir(path):
     try:
         os.makedirs(path, exist_ok=True)
@@ -228,46 +262,6 @@ def prepare_output_dir(path):
         os.remove(probe)
     except OSError as e:
         raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
-
-
-def ignore_stop_signals(worker_id):
-    """SLURM signals every process of the job: workers leave the saving to their rank."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of its step and exit."""
-
-    def __init__(self, world_size, timeout_s):
-        self.flag = torch.zeros(1)
-        # a CPU (gloo) group agrees on the flag each step without syncing the GPU stream; new_group
-        # does not inherit --dist-timeout (it defaults to 30 min), so a hung peer would hang us here
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
-            if world_size > 1 else None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.flag.fill_(1)
-
-    def requested(self):
-        if self.group is None:
-            return bool(self.flag.item())
-        flag = self.flag.clone()
-        dist.all_reduce(flag, group=self.group)
-        return bool(flag.item())
-
-    def exit(self, writer):
-        """Leave with PREEMPTED_EXIT_CODE once saved. Later signals are ignored: torchrun re-sends
-        SIGTERM to a rank whose peer exited first, and Python restores the default (fatal) handler
-        while shutting down, which turned 75 into death by SIGTERM."""
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
-        if writer:
-            writer.close()  # flush this run's last scalars
-        du.cleanup()
-        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 def state_dict(model, optimizer, scaler, args, epoch, step_in_epoch, global_step):
@@ -282,6 +276,8 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world_size, local_rank, device = du.init(timeout_s=args.dist_timeout)
     args.augment = args.augment or ("gpu" if device.type == "cuda" else "cpu")
+    if world_size > 1:
+        check_ranks_agree(args)
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: "
                         f"use a multiple of {world_size}")
@@ -297,19 +293,26 @@ def main(argv=None):
                         f"2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
     if args.compile:
         check_compile(device)
-    if rank == 0:
+    if rank == 0 and not args.preview_views:
         prepare_output_dir(args.output_dir)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:  # the resolved settings of this run
+            json.dump(vars(args), f, indent=1)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
     dataset = build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list)
-    if len(dataset) < args.batch_size:
+    if len(dataset) < args.batch_size and not args.preview_views:
         raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
                         "lower --batch-size")
     sampler = ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
     views = pretrain_views(args, on_device=args.augment == "gpu")
+    if args.preview_views:
+        if rank == 0:
+            write_preview(args, dataset, views, device)
+        du.cleanup()
+        return
     loader = torch.utils.data.DataLoader(
         PretrainDataset(dataset, views, args.seed), batch_size=args.batch_size // world_size,
         sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
@@ -323,9 +326,9 @@ def main(argv=None):
                 bn_splits, args.sync_bn and world_size > 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    knn_sets = build_knn_sets(args) if args.knn_data and rank == 0 else None
-    if args.demo and rank == 0:
-        args.untrained_knn = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)[0]
+    knn_sets = build_knn_sets(args) if args.knn_data else None
+    if args.demo:
+        args.untrained_knn = knn_monitor(args, model, knn_sets, device)[0]
     base_lr = args.lr * args.batch_size / 256
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
@@ -366,17 +369,21 @@ def main(argv=None):
             preemption.exit(writer)
         start_step = 0
         epochs_done_here += 1
-        if rank == 0:
-            done = epoch + 1
-            checkpoint.save(state_dict(model, optimizer, scaler, args, done, 0, done * run.steps_per_epoch),
-                            args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
+        if rank == 0:  # seconds for a ResNet-50 with its queue; the other ranks wait at the kNN or the barrier
+            checkpoint.save(state_dict(model, optimizer, scaler, args, epoch + 1, 0, (epoch + 1) * run.steps_per_epoch),
+                            args.output_dir, numbered=(epoch + 1) % args.save_freq == 0 or epoch + 1 == args.epochs,
                             keep=args.keep_checkpoints)
-            if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
-                top1, top5 = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)
-                print(f"=> epoch {done}: kNN top-1 {top1:.2f} top-5 {top5:.2f}", flush=True)
-                if writer:
-                    writer.add_scalar("knn/top1", top1, done)
-                    writer.add_scalar("knn/top5", top5, done)
+        done, log = epoch + 1, dict(epoch=epoch + 1, **run.epoch_stats)
+        if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
+            log["knn_top1"], log["knn_top5"] = knn_monitor(args, model, knn_sets, device)
+            if rank == 0:
+                print(f"=> epoch {done}: kNN top-1 {log['knn_top1']:.2f} top-5 {log['knn_top5']:.2f}", flush=True)
+            if writer:
+                writer.add_scalar("knn/top1", log["knn_top1"], done)
+                writer.add_scalar("knn/top5", log["knn_top5"], done)
+        if rank == 0:
+            with open(os.path.join(args.output_dir, "log.txt"), "a") as f:  # one JSON line per epoch, as DINO
+                f.write(json.dumps(log) + "\n")
         du.barrier()
         if preemption.requested() and epoch + 1 < args.epochs:
             if rank == 0:
@@ -386,9 +393,10 @@ def main(argv=None):
             if rank == 0:
                 print(f"=> stopping after {epochs_done_here} epoch(s) as asked; resume to continue", flush=True)
             break
-    if args.demo and rank == 0:
-        top1 = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t)[0]
-        print(f"kNN top-1: {top1:.1f}% (untrained: {args.untrained_knn:.1f}%)", flush=True)
+    if args.demo:
+        top1 = knn_monitor(args, model, knn_sets, device)[0]
+        if rank == 0:
+            print(f"kNN top-1: {top1:.1f}% (untrained: {args.untrained_knn:.1f}%)", flush=True)
     if writer:
         writer.close()
     du.cleanup()
@@ -422,12 +430,23 @@ def resume(args, model, optimizer, scaler, rank):
 
 
 def build_knn_sets(args):
-    """(train loader, val loader, number of classes) of the kNN monitor, without augmentation."""
-    small = args.small_input
-    train = build_dataset("imagefolder", args.knn_data, "train", eval_transform(False, args.crop_size, small))
-    val = build_dataset("imagefolder", args.knn_data, "val", eval_transform(False, args.crop_size, small))
-    make = functools.partial(torch.utils.data.DataLoader, batch_size=256, num_workers=min(args.workers, 4))
-    return make(train), make(val), len(train.classes)
+    """(train set, val set, number of classes) of the kNN monitor, without augmentation."""
+    for split in ("train", "val"):
+        if not os.path.isdir(os.path.join(args.knn_data, split)):
+            raise UserError(f"--knn-data {args.knn_data} has no {split}/ folder: the kNN monitor needs "
+                            "DIR/train and DIR/val in ImageFolder layout")
+    tf = eval_transform(False, args.crop_size, args.small_input)
+    train = build_dataset("imagefolder", args.knn_data, "train", tf)
+    return train, build_dataset("imagefolder", args.knn_data, "val", tf), len(train.classes)
+
+
+def knn_monitor(args, model, knn_sets, device):
+    """kNN (top-1, top-5) of the online encoder; every rank extracts and scores its share. BN running
+    statistics are rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's."""
+    for buffer in model.encoder.buffers():
+        du.broadcast(buffer)
+    return knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t, workers=min(args.workers, 4),
+                        max_train=args.knn_max_train, seed=args.seed)
 
 
 @dataclasses.dataclass
@@ -446,14 +465,21 @@ class Run:
     max_bad: int  # unreadable images tolerated
     nonfinite: torch.Tensor  # consecutive non-finite steps (device), carried across epochs
     bad_seen: dict = dataclasses.field(default_factory=dict)  # index -> reason of each unreadable image
+    views_logged: bool = False  # the TensorBoard grid of views is written at the first step of a run
+    epoch_stats: dict = dataclasses.field(default_factory=dict)  # averages of the last epoch, for log.txt
+
+
+TERMS = ["loss", "infonce", "ressl", "ceil"]  # the loss and the three terms of eq. 10, averaged over finite steps
 
 
 def train_one_epoch(run, epoch, start_step):
-    """One epoch from `start_step`; returns the step to resume from if preempted, else None."""
+    """One epoch from `start_step`; returns the step to resume from if preempted, else None.
+    Leaves the epoch's averages in run.epoch_stats."""
     args, device = run.args, run.device
     run.training.ddp_model.train()
-    loss_sum = torch.zeros((), device=device)
-    window_start, window_steps = time.time(), 0
+    window = torch.zeros(1 + len(TERMS), device=device)  # finite steps, then the sums of TERMS (no host sync)
+    epoch_sums = torch.zeros_like(window)
+    window_start, window_steps, epoch_start = time.time(), 0, time.time()
     batches = DeviceViews(run.loader, device, run.training.amp_dtype, args.channels_last)
     for i, (views, bad, reasons) in enumerate(batches, start=start_step):
         step = epoch * run.steps_per_epoch + i
@@ -463,10 +489,18 @@ def train_one_epoch(run, epoch, start_step):
         lam = lambda_at(args, step, run.total_steps)
         if args.lambda_schedule != "constant" or args.lambda_warmup_steps:
             run.training.model.criterion = build_criterion(args, lam)
-        note_bad_images(bad, reasons, run.sampler, run.loader.dataset, run.bad_seen, run.max_bad)
-        loss, finite, (q, k, queue) = train_step(run.training, views, m)
+        note_bad_images(bad, reasons, run.loader.dataset, run.bad_seen, run.max_bad)
+        if run.writer and not run.views_logged:  # what the augmentations did, once a run
+            grid = views_grid(views, view_labels(args))
+            run.writer.add_image("views", np.asarray(grid), step, dataformats="HWC")
+            run.views_logged = True
+        loss, finite, outputs = train_step(run.training, views, m)
         run.nonfinite.copy_(torch.where(finite, torch.zeros_like(run.nonfinite), run.nonfinite + 1))  # no sync
-        loss_sum += torch.where(finite, loss.float(), torch.zeros((), device=device))
+        terms = losses.loss_terms(*outputs, args.tau, args.tau_m)
+        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name].float() for name in TERMS[1:]])
+        values = torch.where(finite, values, torch.zeros_like(values))
+        window += values
+        epoch_sums += values
         window_steps += 1
 
         if (i + 1) % args.print_freq == 0 or i + 1 == run.steps_per_epoch:
@@ -475,19 +509,24 @@ def train_one_epoch(run, epoch, start_step):
                                 f"({lr:.3g}) is likely too high{' or fp16 overflows (try --amp bf16)' if args.amp == 'fp16' else ''}; "
                                 "the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            stats = dict(loss=loss_sum.item() / window_steps, lr=lr, momentum=m, **{"lambda": lam},
+            means = (window[1:] / window[0].clamp(min=1)).tolist()
+            stats = dict(zip(TERMS, means), lr=lr, momentum=m, **{"lambda": lam},
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
-                log_progress(run, epoch, i, step, stats, elapsed / window_steps, (q, k, queue))
-            loss_sum.zero_()
+                log_progress(run, epoch, i, step, stats, elapsed / window_steps)
+            window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
         if run.preemption.requested() and i + 1 < run.steps_per_epoch:
             return i + 1
+    steps = run.steps_per_epoch - start_step
+    means = (epoch_sums[1:] / epoch_sums[0].clamp(min=1)).tolist()
+    run.epoch_stats = dict(zip(TERMS, means), lr=lr, momentum=m, **{"lambda": lam},
+                           images_per_s=steps * args.batch_size / max(time.time() - epoch_start, 1e-9))
     return None
 
 
-def log_progress(run, epoch, i, step, stats, seconds_per_step, outputs):
+def log_progress(run, epoch, i, step, stats, seconds_per_step):
     """The progress line (loss, lr, momentum, throughput, data wait, peak memory, ETA) and TensorBoard."""
     args = run.args
     eta = (run.total_steps - step - 1) * seconds_per_step
@@ -497,41 +536,11 @@ def log_progress(run, epoch, i, step, stats, seconds_per_step, outputs):
         memory = f" mem {stats['peak_memory_gib']:.1f}G"
     print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{run.steps_per_epoch}] loss {stats['loss']:.4f} "
           f"lr {stats['lr']:.4g} m {stats['momentum']:.5f} {stats['images_per_s']:.1f} img/s "
-          f"data {100 * stats['data_wait_share']:.0f}%{memory} eta {format_eta(eta)}", flush=True)
+          f"data {100 * stats['data_wait_share']:.0f}%{memory} eta {cli.format_eta(eta)}", flush=True)
     if run.writer:
         for name, value in stats.items():
-            run.writer.add_scalar(f"train/{name}", value, step)
-        for name, value in losses.loss_terms(*outputs, args.tau, args.tau_m).items():
-            run.writer.add_scalar(f"terms/{name}", value.item(), step)
-
-
-def note_bad_images(bad, reasons, sampler, dataset, bad_seen, max_bad):
-    """Log each unreadable image once (it was replaced by a readable one) and stop past max_bad."""
-    if bool((bad >= 0).any()):
-        for index, reason in zip(bad.tolist(), reasons):
-            if index >= 0 and index not in bad_seen:
-                bad_seen[index] = reason
-                path = dataset.dataset.path(index) if hasattr(dataset.dataset, "path") else f"#{index}"
-                print(f"warning: skipping unreadable image {path} ({reason})", flush=True)
-        if len(bad_seen) > max_bad:
-            raise UserError(f"{len(bad_seen)} unreadable images, more than --max-bad-images {max_bad}: "
-                            "fix or remove them (see the warnings above)")
-
-
-def format_eta(seconds):
-    seconds = int(seconds) if math.isfinite(seconds) else 0
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+            run.writer.add_scalar(f"terms/{name}" if name in TERMS[1:] else f"train/{name}", value, step)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        du.report_failure(str(e))
-        sys.exit(f"error: {e}")
-    except Exception as e:
-        du.report_failure(f"{type(e).__name__}: {str(e)[:300]}")
-        failure = du.first_failure() if du.is_dist() else None
-        if failure and not failure.startswith(f"rank {du.rank()}:"):
-            sys.exit(f"error: stopping because {failure}")  # a peer failed first: its message is the cause
-        raise
+    cli.run(main)

@@ -7,7 +7,6 @@ Gaussian blur, solarize, then normalisation. Each op computes what
 torchvision.transforms.v2.functional computes for one image (tests compare them op by op).
 On a machine without a GPU the same code runs on CPU tensors in the training process.
 """
-import contextlib
 import time
 
 import torch

@@ -53,6 +53,15 @@ def all_gather(x):
     return torch.cat(out)
 
 
+def all_gather_object(obj):
+    """[obj of rank 0, obj of rank 1, ...]; [obj] on one process."""
+    if not is_dist():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast(x, src=0):
     if is_dist():
         dist.broadcast(x, src)
@@ -78,27 +87,6 @@ def wrap_ddp(model, device):
     no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters
                else {"broadcast_buffers": False})
     return ddp(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
-
-
-def report_failure(message):
-    """Record the first failure in the job's store so the other ranks can name it."""
-    if not is_dist():
-        return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.compare_set("sce_failure", "", f"rank {dist.get_rank()}: {message}")
-    except Exception:  # the store may be gone with the failing peer
-        pass
-
-
-def first_failure(timeout_s=5):
-    """The failure another rank recorded, or None."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        return store.get("sce_failure").decode() or None
-    except Exception:
-        return None
 
 
 def cleanup():

@@ -1,15 +1,44 @@
-"""Feature extraction and the weighted kNN classifier (Wu et al. 2018, as in the MoCo/SCE monitors)."""
+"""Feature extraction and the weighted kNN classifier (Wu et al. 2018, as in the MoCo / SCE monitors),
+shared by every rank.
+
+Each rank extracts its own shard of the train (bank) and val (query) splits: no image twice, none
+dropped. The bank stays sharded; the queries are gathered. For each chunk of queries every rank
+takes the top-k of its bank shard on the device, the candidates of all ranks are gathered and
+merged, so every rank ends with the scores one process would compute. Peak device memory per rank:
+its bank shard (N_train / ranks x D), all queries (N_val x D), one chunk of similarities
+(chunk x N_train / ranks) and the gathered candidates (ranks x chunk x k).
+"""
+import time
+
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Sampler, Subset
+
+from sce import cli
+from sce import distributed as du
+
+
+class Shard(Sampler):
+    """Indices rank, rank + ranks, ...: every index on exactly one rank, no padding."""
+
+    def __init__(self, length):
+        self.indices = range(du.rank(), length, du.world_size())
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
 
 
 @torch.no_grad()
-def extract_features(trunk, loader, device, channels_last=False, normalize=True):
-    """Trunk features (l2-normalised unless normalize=False) and labels of a whole loader, in
-    its order, with the trunk in eval mode."""
+def extract_features(trunk, loader, device, channels_last=False, normalize=True, name=None):
+    """Trunk features (l2-normalised unless normalize=False) and labels of a whole loader, in its
+    order, with the trunk in eval mode; returned on the CPU. `name`: print progress on rank 0."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
+    progress, shown = cli.Progress(len(loader.sampler)), time.time()
     for images, targets in loader:
         images = images.to(device, non_blocking=True)
         if channels_last:
@@ -17,33 +46,67 @@ def extract_features(trunk, loader, device, channels_last=False, normalize=True)
         out = trunk(images).float()
         feats.append((F.normalize(out, dim=1) if normalize else out).cpu())
         labels.append(torch.as_tensor(targets))
+        progress.update(len(images))
+        if name and du.is_main() and (progress.done == progress.total or time.time() - shown > 30):
+            shard = f" (this rank's share of {du.world_size()})" if du.world_size() > 1 else ""
+            print(f"{name}: {progress.report()}{shard}", flush=True)
+            shown = time.time()
     trunk.train(was_training)
     return torch.cat(feats), torch.cat(labels)
 
 
+def gather_rows(x):
+    """Concatenate every rank's rows (their counts may differ by one) in rank order."""
+    if du.world_size() == 1:
+        return x
+    counts = du.all_gather(torch.tensor([len(x)], device=x.device))
+    padded = torch.zeros((int(counts.max()),) + x.shape[1:], dtype=x.dtype, device=x.device)
+    padded[:len(x)] = x
+    rows = du.all_gather(padded).view(du.world_size(), -1, *x.shape[1:])
+    return torch.cat([rows[r, :n] for r, n in enumerate(counts.tolist())])
+
+
 @torch.no_grad()
-def knn_scores(train_feats, train_labels, test_feats, num_classes, k=200, t=0.07, chunk=1024):
-    """Class scores: each of the k nearest train features (cosine) votes exp(cos / t) for its label."""
-    k = min(k, len(train_feats))
+def knn_scores(bank, bank_labels, queries, num_classes, k=200, t=0.07, chunk=1024):
+    """Class scores: each of the k nearest bank features (cosine) votes exp(cos / t) for its label.
+    Under several ranks `bank` is this rank's shard and the queries are the same on every rank."""
     scores = []
-    for q in test_feats.split(chunk):
-        sim, idx = (q @ train_feats.T).topk(k, dim=1)
-        votes = torch.zeros(len(q), num_classes, dtype=sim.dtype)
-        votes.scatter_add_(1, train_labels[idx], (sim / t).exp())
-        scores.append(votes)
+    for q in queries.split(chunk):
+        sim, idx = (q @ bank.T).topk(min(k, len(bank)), dim=1)
+        labels = bank_labels[idx]
+        if du.world_size() > 1:  # k candidates from every rank (padded with weight-0 ones), best k overall
+            pad = k - sim.shape[1]
+            sim = F.pad(sim, (0, pad), value=float("-inf"))
+            labels = F.pad(labels, (0, pad))
+            sim = du.all_gather(sim).view(du.world_size(), len(q), k).permute(1, 0, 2).reshape(len(q), -1)
+            labels = du.all_gather(labels).view(du.world_size(), len(q), k).permute(1, 0, 2).reshape(len(q), -1)
+            sim, best = sim.topk(k, dim=1)
+            labels = labels.gather(1, best)
+        votes = torch.zeros(len(q), num_classes, dtype=sim.dtype, device=sim.device)
+        scores.append(votes.scatter_add_(1, labels, (sim / t).exp()))
     return torch.cat(scores)
 
 
 def topk_accuracy(scores, labels, ks=(1, 5)):
     """Percent of rows whose label is among the top-k scores, for each k."""
     top = scores.topk(min(max(ks), scores.shape[1]), dim=1).indices
-    hit = top == labels.view(-1, 1)
+    hit = top == labels.view(-1, 1).to(top.device)
     return [100.0 * hit[:, :k].any(dim=1).float().mean().item() for k in ks]
 
 
-def knn_accuracy(trunk, train_loader, val_loader, num_classes, device, k=200, t=0.07):
-    """(top-1, top-5) of the kNN classifier built on train_loader, measured on val_loader."""
-    train_feats, train_labels = extract_features(trunk, train_loader, device)
-    val_feats, val_labels = extract_features(trunk, val_loader, device)
-    scores = knn_scores(train_feats, train_labels, val_feats, num_classes, k, t)
-    return topk_accuracy(scores, val_labels)
+def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, batch_size=256, workers=4,
+                 max_train=None, seed=0):
+    """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train
+    images if given), measured on val_set; called by every rank, the same result on each."""
+    if max_train and max_train < len(train_set):
+        train_set = Subset(train_set, torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
+                           [:max_train].tolist())
+
+    def features(dataset, name):
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=Shard(len(dataset)), num_workers=workers,
+                            pin_memory=device.type == "cuda")
+        feats, labels = extract_features(trunk, loader, device, name=name)
+        return feats.to(device), labels.to(device)
+    bank, bank_labels = features(train_set, "train features")
+    queries, labels = (gather_rows(x) for x in features(val_set, "val features"))
+    return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)

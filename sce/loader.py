@@ -1,14 +1,13 @@
 """Data: dataset readers, evaluation transforms, and the resumable pretraining dataset and sampler
 (the pretraining views are in sce.augment)."""
 import os
-import pickle
 
 import numpy as np
 import torch
 import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import Dataset, Sampler
-from torchvision.datasets import ImageFolder
+from torchvision.datasets import CIFAR10, CIFAR100, STL10, ImageFolder
 
 from sce import UserError
 from sce.augment import MEAN, STD
@@ -41,23 +40,6 @@ def load_rgb(path):
     if img.mode in ("P", "LA", "PA"):
         img = img.convert("RGBA")
     return img.convert("RGB")
-
-
-class ArrayImages(Dataset):
-    """Images held in memory as a uint8 (N, H, W, 3) array (CIFAR and STL10 binaries)."""
-
-    def __init__(self, images, labels, transform=None):
-        self.images, self.targets, self.transform = images, list(labels), transform
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, i):
-        img = Image.fromarray(self.images[i])
-        return (self.transform(img) if self.transform else img), self.targets[i]
-
-    def path(self, i):
-        return f"image #{i}"
 
 
 class Folder(ImageFolder):
@@ -107,56 +89,73 @@ class TinyImageNetVal(Dataset):
         return self.samples[i][0]
 
 
-def _unpickle(path):
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="latin1")
+# torchvision reads CIFAR and STL10. Its classes compare every file with the official release's md5
+# first: that hashes all of STL10 (3 GB) at each start and refuses valid files that are not those
+# exact bytes (a re-export, the small files of our tests). An md5 of None makes torchvision's
+# check_integrity test only that the file exists; a malformed file still fails when it is read.
+def _no_md5(files):
+    return [[name, None] for name, _ in files]
 
 
-def read_cifar(root, train, num_classes=10):
-    """CIFAR python pickle batches (cifar-10-batches-py / cifar-100-python)."""
-    if num_classes == 10:
-        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
-        key = "labels"
-    else:
-        names, key = (["train"] if train else ["test"]), "fine_labels"
-    for sub in ("", "cifar-10-batches-py", "cifar-100-python"):
-        if all(os.path.isfile(os.path.join(root, sub, n)) for n in names):
-            batches = [_unpickle(os.path.join(root, sub, n)) for n in names]
-            break
-    else:
-        raise UserError(f"{root} holds no CIFAR{num_classes} python batches ({', '.join(names)})")
-    images = np.concatenate([b["data"] for b in batches]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    labels = [y for b in batches for y in b[key]]
-    return ArrayImages(np.ascontiguousarray(images), labels)
+class CIFAR10Files(CIFAR10):
+    """torchvision's CIFAR10 without the md5 check."""
+    train_list, test_list, meta = _no_md5(CIFAR10.train_list), _no_md5(CIFAR10.test_list), dict(CIFAR10.meta, md5=None)
 
 
-def read_stl10(root, splits):
-    """STL10 binaries (stl10_binary/): uint8 images stored column-major, labels 1..10."""
-    sub = os.path.join(root, "stl10_binary") if os.path.isdir(os.path.join(root, "stl10_binary")) else root
-    images, labels = [], []
-    for split in splits:
-        path = os.path.join(sub, f"{split}_X.bin")
-        if not os.path.isfile(path):
-            raise UserError(f"{path} not found: expected the STL10 binary files")
-        x = np.fromfile(path, dtype=np.uint8).reshape(-1, 3, 96, 96).transpose(0, 3, 2, 1)
-        images.append(x)
-        y_path = os.path.join(sub, f"{split}_y.bin")
-        labels += (np.fromfile(y_path, dtype=np.uint8).astype(int) - 1).tolist() if os.path.isfile(y_path) \
-            else [-1] * len(x)
-    return ArrayImages(np.ascontiguousarray(np.concatenate(images)), labels)
+class CIFAR100Files(CIFAR100):
+    """torchvision's CIFAR100 without the md5 check."""
+    train_list, test_list, meta = _no_md5(CIFAR100.train_list), _no_md5(CIFAR100.test_list), dict(CIFAR100.meta, md5=None)
+
+
+class STL10Files(STL10):
+    """torchvision's STL10 without the md5 check, with `targets` as the other datasets (-1: unlabeled)."""
+    train_list, test_list = _no_md5(STL10.train_list), _no_md5(STL10.test_list)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.targets = self.labels.astype(int).tolist()
+
+
+def _torchvision_dataset(cls, root, what, **kwargs):
+    """cls(root / the files' folder) with a one-line UserError naming the first missing file, or the
+    folder of a file that does not read."""
+    folder = os.path.join(root, cls.base_folder)
+    if not os.path.isdir(folder) and os.path.basename(os.path.normpath(root)) == cls.base_folder:
+        root, folder = os.path.dirname(os.path.normpath(root)), root  # --data pointed at the folder itself
+    names = [n for n, _ in cls.train_list + cls.test_list] + ([cls.meta["filename"]] if hasattr(cls, "meta") else [])
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
+                        f"in {cls.base_folder}/ under --data")
+    try:
+        return cls(root, **kwargs)
+    except Exception as e:  # pickle, reshape and key errors of a malformed file
+        raise UserError(f"{folder} does not hold readable {what} files ({type(e).__name__}: {e})") from None
+
+
+def read_cifar(root, train, num_classes=10, transform=None):
+    """CIFAR python batches (cifar-10-batches-py/ or cifar-100-python/ under root), via torchvision."""
+    cls = CIFAR10Files if num_classes == 10 else CIFAR100Files
+    return _torchvision_dataset(cls, root, f"CIFAR{num_classes}", train=train, transform=transform)
+
+
+def read_stl10(root, split, transform=None):
+    """STL10 binaries (stl10_binary/ under root), via torchvision; split: train, test, unlabeled
+    or train+unlabeled (the train images first)."""
+    return _torchvision_dataset(STL10Files, root, "STL10", split=split, transform=transform)
 
 
 def build_dataset(name, root, split="train", transform=None, class_list=None):
-    """split: 'pretrain' (STL10: unlabeled + train), 'train' or 'val' (the test set of CIFAR/STL10)."""
+    """split: 'pretrain' (STL10: train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10)."""
     if not root or not os.path.exists(root):
         raise UserError(f"data path {root!r} does not exist: pass --data DIR")
     if name not in DATASETS:
         raise UserError(f"unknown dataset '{name}': use one of {', '.join(DATASETS)}")
     train = split in ("pretrain", "train")
     if name in ("cifar10", "cifar100"):
-        ds = read_cifar(root, train, 10 if name == "cifar10" else 100)
+        ds = read_cifar(root, train, 10 if name == "cifar10" else 100, transform)
     elif name == "stl10":
-        ds = read_stl10(root, ["unlabeled", "train"] if split == "pretrain" else ["train"] if train else ["test"])
+        ds = read_stl10(root, "train+unlabeled" if split == "pretrain" else "train" if train else "test", transform)
     else:
         sub = os.path.join(root, "train" if train else "val")
         if name == "tiny-imagenet" and not train:
@@ -171,7 +170,6 @@ def build_dataset(name, root, split="train", transform=None, class_list=None):
             with open(class_list or IMAGENET100) as f:
                 keep = f.read().split()
         return Folder(sub, transform, keep)
-    ds.transform = transform
     return ds
 
 
@@ -256,3 +254,16 @@ def digits_imagefolder(root):
         Image.fromarray(pixels).resize((16, 16), Image.BICUBIC).save(os.path.join(folder, f"{i:04d}.png"))
     open(os.path.join(root, ".complete"), "w").close()
     return root
+
+
+def note_bad_images(bad, reasons, dataset, bad_seen, max_bad):
+    """Log each unreadable image once (it was replaced by a readable one) and stop past max_bad."""
+    if bool((bad >= 0).any()):
+        for index, reason in zip(bad.tolist(), reasons):
+            if index >= 0 and index not in bad_seen:
+                bad_seen[index] = reason
+                path = dataset.dataset.path(index) if hasattr(dataset.dataset, "path") else f"#{index}"
+                print(f"warning: skipping unreadable image {path} ({reason})", flush=True)
+        if len(bad_seen) > max_bad:
+            raise UserError(f"{len(bad_seen)} unreadable images, more than --max-bad-images {max_bad}: "
+                            "fix or remove them (see the warnings above)")

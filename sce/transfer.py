@@ -1,17 +1,12 @@
-"""Frozen-feature transfer: VOC2007 reader, cached feature extraction, the many-shot logistic
-regression (ssl-transfer protocol) and the low-shot LinearSVC helpers (PCL protocol)."""
-import hashlib
-import json
+"""Frozen-feature transfer: VOC2007 reader, the many-shot logistic regression (ssl-transfer
+protocol) and the low-shot LinearSVC helpers (PCL protocol). Features come from sce.cli.split_features."""
 import os
-import time
 import warnings
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from sce import UserError, knn
-from sce.checkpoint import save_atomic
+from sce import UserError
 from sce.loader import load_rgb
 from sce.metrics import average_precision, mean_average_precision, mean_per_class_accuracy, top1_accuracy
 
@@ -78,46 +73,6 @@ class ImageList(Dataset):
 
 
 # ---------------------------------------------------------------- features
-
-def extract_features(trunk, dataset, device, batch_size=128, workers=4, amp=False, name="features"):
-    """Global-average-pooled trunk features (not normalised) of a whole dataset, in its order."""
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda")
-    start = time.time()
-    with torch.autocast(device.type, enabled=amp):
-        feats, _ = knn.extract_features(trunk, loader, device, normalize=False)
-    seconds = time.time() - start
-    print(f"{name}: {len(dataset)} images in {seconds:.1f}s ({len(dataset) / max(seconds, 1e-9):.0f} images/s)",
-          flush=True)
-    return feats.numpy()
-
-
-def feature_key(pretrained, **fields):
-    """What the cached features depend on: the checkpoint file (path, mtime, size) and the
-    data / transform / encoder choices passed as fields."""
-    st = os.stat(pretrained)
-    return dict(checkpoint=os.path.abspath(pretrained), mtime_ns=st.st_mtime_ns, size=st.st_size,
-                **{k: (os.path.abspath(v) if k == "data" else v) for k, v in fields.items()})
-
-
-def cached_features(output_dir, split, key, compute):
-    """Features of `split` from output_dir/features_<split>_<hash of key>.pt, computing (and
-    saving) them with compute() when absent. The key goes in the file too and is checked."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = os.path.join(output_dir, f"features_{split}_{digest}.pt")
-    if os.path.isfile(path):
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            if blob.get("key") == json.loads(json.dumps(key, sort_keys=True, default=str)):
-                print(f"{split}: features read from {path}", flush=True)
-                return blob["features"].numpy()
-        except Exception as e:  # a truncated or foreign file: recompute it
-            print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
-    feats = compute()
-    save_atomic({"key": json.loads(json.dumps(key, sort_keys=True, default=str)),
-                 "features": torch.from_numpy(feats)}, path)
-    return feats
-
 
 def l2_normalize_rows(x):
     """f / (||f|| + 1e-5), the PCL / FAIR normalisation (an all-zero row stays zero)."""

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from sce import UserError
 from sce.builder import SCE, SplitBatchNorm, build_mlp, build_trunk, momentum_at, split_batch_norm
 from sce.optim import cosine_lr, scheduled
 

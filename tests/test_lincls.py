@@ -26,6 +26,14 @@ def lincls(*args):
     return run_script(["main_lincls.py", *map(str, args), "--workers", "0"])
 
 
+def lincls_here(capsys, *args):
+    """main_lincls.main in this process (no interpreter start-up); returns its stdout."""
+    import main_lincls
+    capsys.readouterr()
+    main_lincls.main([*map(str, args), "--workers", "0"])
+    return capsys.readouterr().out
+
+
 def same_trunk(a, b):
     sa, sb = trunk_state_dict(load(a)), trunk_state_dict(load(b))
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -40,8 +48,12 @@ def contract_run(pretrained, data, tmp_path_factory):
 
 
 def test_contract_command_trains_only_the_head(contract_run, pretrained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out, proc = contract_run
-    assert "images/s" in proc.stdout and "Acc@1" in proc.stdout and "Acc@5" in proc.stdout
+    assert "Acc@1" in proc.stdout and "Acc@5" in proc.stdout
+    assert re.search(r"Epoch \[1/1\]\[2/2\] loss \S+ lr 30 24/24 images, \d+ images/s, ETA 0:00:00", proc.stdout)
+    scalars = EventAccumulator(str(out)).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/lr", "val/acc1", "val/acc5"} <= set(scalars)
     ckpt = load(str(out / "checkpoint_last.pth"))
     assert ckpt["kind"] == "lincls" and ckpt["epoch"] == 1
     assert ckpt["args"]["arch"] == "resnet18" and ckpt["args"]["small_input"] is True
@@ -52,26 +64,30 @@ def test_contract_command_trains_only_the_head(contract_run, pretrained):
     load_trunk(str(out / "checkpoint_last.pth"))  # its checkpoints are trunks for the other tools
 
 
-def test_resume_then_evaluate(contract_run, data, pretrained, tmp_path):
+def test_resume_then_evaluate(contract_run, data, pretrained, tmp_path, capsys):
+    import shutil
     out, _ = contract_run
     resumed = tmp_path / "resumed"
-    proc = lincls("--data", data, "--resume", out / "checkpoint_last.pth", "--crop-size", "32",
-                  "--epochs", "2", "--batch-size", "16", "--output-dir", resumed)
-    assert "resumed from" in proc.stdout and "Epoch [1/2]" not in proc.stdout and "Epoch 2/2:" in proc.stdout
+    resumed.mkdir()
+    shutil.copy(out / "checkpoint_last.pth", resumed / "checkpoint_last.pth")
+    # --resume auto finds OUTPUT_DIR/checkpoint_last.pth; no --pretrained needed
+    stdout = lincls_here(capsys, "--data", data, "--resume", "auto", "--crop-size", "32",
+                         "--epochs", "2", "--batch-size", "16", "--output-dir", resumed)
+    assert "resumed from" in stdout and "Epoch [1/2]" not in stdout and "Epoch 2/2:" in stdout
     ckpt = load(str(resumed / "checkpoint_last.pth"))
     assert ckpt["epoch"] == 2
     assert not torch.equal(ckpt["model"]["fc.weight"], load(str(out / "checkpoint_last.pth"))["model"]["fc.weight"])
     assert same_trunk(pretrained, str(resumed / "checkpoint_last.pth"))
-    lincls("--data", data, "--pretrained", resumed / "checkpoint_last.pth", "--crop-size", "32", "--evaluate",
-           "--output-dir", tmp_path / "eval")
+    lincls_here(capsys, "--data", data, "--pretrained", resumed / "checkpoint_last.pth", "--crop-size", "32",
+                "-e", "--output-dir", tmp_path / "eval")
     with open(tmp_path / "eval" / "results_linear.json") as f:
         result = json.load(f)
     assert result["acc1"] == pytest.approx(ckpt["acc1"]) and result["acc5"] == pytest.approx(ckpt["acc5"])
 
 
-def test_linear_probe_learns(pretrained, data, tmp_path):
-    lincls("--data", data, "--pretrained", pretrained, "--crop-size", "16", "--schedule", "cosine",
-           "--epochs", "4", "--batch-size", "8", "--output-dir", tmp_path)
+def test_linear_probe_learns(pretrained, data, tmp_path, capsys):
+    lincls_here(capsys, "--data", data, "--pretrained", pretrained, "--crop-size", "16", "--schedule", "cosine",
+                "--epochs", "4", "--batch-size", "8", "--output-dir", tmp_path)
     with open(tmp_path / "results_linear.json") as f:
         result = json.load(f)
     assert result["acc1"] >= 80.0  # 3 classes: chance is 33%
@@ -120,12 +136,14 @@ def test_knn_scores_equal_brute_force():
         assert np.allclose(got.numpy(), brute_force_votes(bank, labels, queries, 4, k, 0.07), rtol=1e-9)
 
 
-def test_knn_script_equals_brute_force(pretrained, tmp_path):
+def test_knn_script_equals_brute_force(pretrained, tmp_path, capsys):
     data = write_imagefolder(tmp_path / "data", 3, 8, 32)
     for i in range(3):  # mislabel some val images so that the accuracy is not trivially 100%
         os.replace(os.path.join(data, "val", "class_0", f"{i}.png"), os.path.join(data, "val", "class_1", f"m{i}.png"))
-    lincls("--data", data, "--pretrained", pretrained, "--knn", "--knn-k", "5", "--knn-t", "0.1",
-           "--crop-size", "16", "--output-dir", tmp_path / "out")
+    args = ["--data", data, "--pretrained", pretrained, "--knn", "--knn-k", "5", "--knn-t", "0.1",
+            "--crop-size", "16", "--output-dir", tmp_path / "out"]
+    stdout = lincls_here(capsys, *args)
+    assert "train features: 24/24 images" in stdout and "val features: 24/24 images" in stdout
     with open(tmp_path / "out" / "results_knn.json") as f:
         result = json.load(f)
 
@@ -194,9 +212,9 @@ def test_logreg_multilabel_selection_uses_11point_map():
     assert best_c == pytest.approx(history[int(np.argmax([s for _, s in history]))][0])
 
 
-def test_logreg_script_and_feature_cache(pretrained, data, tmp_path):
-    lincls("--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--crop-size", "16",
-           "--output-dir", tmp_path)
+def test_logreg_script_and_feature_cache(pretrained, data, tmp_path, capsys):
+    lincls_here(capsys, "--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--crop-size", "16",
+                "--output-dir", tmp_path)
     with open(tmp_path / "results_logreg.json") as f:
         result = json.load(f)
     assert result["metric"] == "top1" and len(result["val"]) == 45
@@ -204,9 +222,9 @@ def test_logreg_script_and_feature_cache(pretrained, data, tmp_path):
     assert result["C"] == pytest.approx(result["val"][int(np.argmax(scores))]["C"])
     assert result["test"] >= 80.0
     assert len([f for f in os.listdir(tmp_path) if f.startswith("features_")]) == 2
-    proc = lincls("--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--crop-size", "16",
-                  "--metric", "mean-per-class", "--logreg-c", "1.0", "--output-dir", tmp_path)
-    assert proc.stdout.count("features read from") == 2
+    stdout = lincls_here(capsys, "--data", data, "--pretrained", pretrained, "--classifier", "logreg",
+                         "--crop-size", "16", "--metric", "mean-per-class", "--logreg-c", "1.0", "--output-dir", tmp_path)
+    assert stdout.count("features read from") == 2
 
 
 # ---------------------------------------------------------------- bad input

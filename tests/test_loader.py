@@ -46,22 +46,42 @@ def test_sampler_ranks_partition_the_global_batches():
     assert [i for _, i in other] != [i for _, i in single] and {e for e, _ in other} == {1}
 
 
+def write_cifar(root, num_classes=10, per_batch=4, seed=0):
+    """CIFAR python batches in the release's layout, with its meta file, a few images each."""
+    rng = np.random.default_rng(seed)
+    folder, names, key, meta = (("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
+                                 "labels", ("batches.meta", "label_names")) if num_classes == 10 else
+                                ("cifar-100-python", ["train", "test"], "fine_labels", ("meta", "fine_label_names")))
+    os.makedirs(root / folder)
+    for name in names:
+        with open(root / folder / name, "wb") as f:
+            pickle.dump({"data": rng.integers(0, 255, (per_batch, 3072), dtype=np.uint8),
+                         key: [i % num_classes for i in range(per_batch)]}, f)
+    with open(root / folder / meta[0], "wb") as f:
+        pickle.dump({meta[1]: [f"class{i}" for i in range(num_classes)]}, f)
+    return root / folder
+
+
 def test_cifar_batches(tmp_path):
-    rng = np.random.default_rng(0)
-    root = tmp_path / "cifar-10-batches-py"
-    root.mkdir()
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        with open(root / name, "wb") as f:
-            pickle.dump({"data": rng.integers(0, 255, (4, 3072), dtype=np.uint8), "labels": [0, 1, 2, 3]}, f)
+    folder = write_cifar(tmp_path)
     train = build_dataset("cifar10", str(tmp_path), "train")
-    assert len(train) == 20 and train.targets[:4] == [0, 1, 2, 3]
-    with open(root / "data_batch_1", "rb") as f:
+    assert len(train) == 20 and train.targets[:4] == [0, 1, 2, 3] and train.classes[3] == "class3"
+    with open(folder / "data_batch_1", "rb") as f:
         raw = pickle.load(f)["data"][1]
     img, label = train[1]
     assert label == 1 and np.array_equal(np.asarray(img)[:, :, 0], raw[:1024].reshape(32, 32))
     assert len(build_dataset("cifar10", str(tmp_path), "val")) == 4
-    with pytest.raises(UserError, match="CIFAR100"):
+    assert len(build_dataset("cifar10", str(folder), "val")) == 4  # --data at the batches folder itself
+    tf = T.Compose([T.ToTensor()])
+    assert build_dataset("cifar10", str(tmp_path), "train", tf)[0][0].shape == (3, 32, 32)
+    with pytest.raises(UserError, match=r"cifar-100-python/train not found: CIFAR100 needs train, test, meta"):
         build_dataset("cifar100", str(tmp_path), "train")
+    hundred = write_cifar(tmp_path / "c100", num_classes=100, per_batch=3)
+    assert build_dataset("cifar100", str(tmp_path / "c100"), "val").targets == [0, 1, 2]
+    (hundred / "test").write_bytes(b"not a pickle")
+    with pytest.raises(UserError, match=r"cifar-100-python does not hold readable CIFAR100 files") as info:
+        build_dataset("cifar100", str(tmp_path / "c100"), "val")
+    assert "\n" not in str(info.value)
 
 
 def test_stl10_binaries(tmp_path):
@@ -73,11 +93,14 @@ def test_stl10_binaries(tmp_path):
         if split != "unlabeled":
             np.arange(1, n + 1, dtype=np.uint8).tofile(root / f"{split}_y.bin")
     pre = build_dataset("stl10", str(tmp_path), "pretrain")
-    assert len(pre) == 8 and pre.targets[:5] == [-1] * 5 and pre.targets[5:] == [0, 1, 2]
+    assert len(pre) == 8 and pre.targets[:3] == [0, 1, 2] and pre.targets[3:] == [-1] * 5  # train, then unlabeled
     raw = np.fromfile(root / "train_X.bin", dtype=np.uint8)[:3 * 96 * 96].reshape(3, 96, 96)
     img, _ = build_dataset("stl10", str(tmp_path), "train")[0]
     assert np.array_equal(np.asarray(img)[:, :, 2], raw[2].T)  # stored column-major
     assert len(build_dataset("stl10", str(tmp_path), "val")) == 2
+    (root / "test_y.bin").unlink()
+    with pytest.raises(UserError, match=r"stl10_binary/test_y.bin not found: STL10 needs"):
+        build_dataset("stl10", str(tmp_path), "train")
 
 
 def test_tiny_imagenet_and_imagenet100(tmp_path):

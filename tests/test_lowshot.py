@@ -84,15 +84,18 @@ def test_contract_command(contract_run):
     assert report["results"][0]["draws"][0]["images"] == 20 and report["results"][2]["draws"][0]["images"] == 24
     assert report["difficult"] == "negative"  # PCL's handling by default
     assert "±" in proc.stdout and "optimistic" in proc.stdout
+    assert "trainval features: 24/24 images" in proc.stdout and "images/s, ETA" in proc.stdout
     assert len([f for f in os.listdir(out) if f.startswith("features_")]) == 2
 
 
-def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc):
+def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc, capsys):
+    import main_lowshot
     out, _ = contract_run
-    proc = run_script(["main_lowshot.py", "--data", voc[0], "--pretrained", pretrained, "--shots", "2",
-                       "--runs", "1", "--costs", "0.1", "10", "--cost-selection", "cv", "--cv-folds", "2",
-                       "--output-dir", str(out), "--resize", "32", "--crop-size", "32", "--workers", "0"])
-    assert proc.stdout.count("features read from") == 2
+    capsys.readouterr()
+    main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "2", "--runs", "1", "--costs", "0.1",
+                       "10", "--cost-selection", "cv", "--cv-folds", "2", "--output-dir", str(out), "--resize", "32",
+                       "--crop-size", "32", "-j", "0"])
+    assert capsys.readouterr().out.count("features read from") == 2
     with open(out / "lowshot.json") as f:
         report = json.load(f)
     (res,) = report["results"]
@@ -221,8 +224,9 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
 
 
 def test_voc07_logreg_uses_11point_map(pretrained, voc, tmp_path):
-    run_script(["main_lincls.py", "--data", voc[0], "--dataset", "voc07", "--classifier", "logreg",
-                "--pretrained", pretrained, "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path)])
+    import main_lincls
+    main_lincls.main(["--data", voc[0], "--dataset", "voc07", "--classifier", "logreg", "--pretrained", pretrained,
+                      "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path)])
     with open(tmp_path / "results_logreg.json") as f:
         result = json.load(f)
     assert result["metric"] == "map11" and len(result["val"]) == 45 and 0 <= result["test"] <= 100

@@ -1,5 +1,6 @@
 """VOC average precision (area and 11-point) and the accuracies, against hand-computed values."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -80,3 +81,10 @@ def test_accuracies():
     pred = [0, 0, 1, 1, 0, 2]
     assert top1_accuracy(pred, labels) == pytest.approx(100 * 4 / 6)
     assert mean_per_class_accuracy(pred, labels) == pytest.approx(100 * (2 / 3 + 1 + 1 / 2) / 3)
+
+
+def test_mean_per_class_ignores_classes_only_predicted():
+    # class 3 is predicted but absent from the labels: no recall of its own, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mean_per_class_accuracy([0, 0, 1, 1, 0, 2, 3], [0, 0, 0, 1, 2, 2, 2]) == pytest.approx(100 * (2 / 3 + 1 + 1 / 3) / 3)

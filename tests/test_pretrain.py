@@ -1,4 +1,5 @@
 """main_pretrain.py as users run it: contract commands, exact resume, multi-rank equivalence, bad input."""
+import json
 import os
 import re
 
@@ -43,6 +44,14 @@ def test_resume_equals_uninterrupted_run(data, tmp_path):
             "train/lambda", "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
     lambdas = [e.value for e in events.Scalars("train/lambda")]  # steps 0-3: warmup 0.1, 0.5, then cosine to 0.9
     assert lambdas == pytest.approx([0.1, 0.3, 0.5, 0.9])
+    assert "views" in events.Tags()["images"]  # the augmented views, at the first step of the run
+    # the resolved settings and one JSON line per epoch, also across the resume
+    assert json.load(open(tmp_path / "b" / "args.json"))["lambda_schedule"] == "cosine"
+    for run in "ab":
+        epochs = [json.loads(line) for line in open(tmp_path / run / "log.txt")]
+        assert [e["epoch"] for e in epochs] == [1, 2]
+        assert {"loss", "infonce", "ressl", "ceil", "lr", "momentum", "lambda", "images_per_s"} <= epochs[0].keys()
+    assert open(tmp_path / "a" / "log.txt").read().count("loss") == 2
 
 
 def test_two_gloo_ranks_equal_one_process(data, tmp_path):
@@ -102,6 +111,26 @@ def test_gpu_augment_run_lowers_the_loss(tmp_path):
     assert sum(epoch_losses[-4:]) / 4 < sum(epoch_losses[:4]) / 4 - 0.5, epoch_losses
 
 
+def test_preview_views_of_the_demo(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # the demo writes its digits under ~/.cache
+    monkeypatch.chdir(tmp_path)  # and would write its run under ./runs
+    import main_pretrain
+    from PIL import Image
+    out = tmp_path / "views.png"
+    main_pretrain.main(["--preview-views", str(out), "--local-crop-sizes", "8", "--local-crop-scales", "0.1", "0.4"])
+    # 8 images x (target, online, one local crop), 112 px cells under a 16 px header
+    assert Image.open(out).size == (3 * 112, 16 + 8 * 112)
+    assert not (tmp_path / "runs").exists()  # nothing trained, nothing saved
+
+
+def test_moco_spellings():
+    import main_pretrain
+    ours = main_pretrain.parser.parse_args(["--data", "d", "--arch", "resnet18", "--batch-size", "64", "--workers", "2",
+                                            "--weight-decay", "1e-5"])
+    moco = main_pretrain.parser.parse_args(["--data", "d", "-a", "resnet18", "-b", "64", "-j", "2", "--wd", "1e-5"])
+    assert vars(ours) == vars(moco)
+
+
 def test_demo_prints_knn_line(tmp_path):
     proc = run_script(["main_pretrain.py", "--epochs", "1", "--output-dir", str(tmp_path / "demo")],
                       env={"HOME": str(tmp_path)})
@@ -144,6 +173,7 @@ def test_bad_input_is_one_line(data, tmp_path):
     (["--lambda-schedule", "cosine", "--method", "moco"], "need the SCE loss"),
     (["--crop-size", "6"], "too small to blur"),
     (["--seed", "-1"], "--seed must be >= 0"),
+    (["--knn-max-train", "0"], "--knn-max-train must be a positive number"),
 ])
 def test_bad_flags(data, tmp_path, extra, match):
     user_error(["--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "o")] + TINY + extra, match)
@@ -154,6 +184,9 @@ def test_bad_files(data, tmp_path):
     os.makedirs(tmp_path / "empty" / "class_a")
     user_error(["--data", str(tmp_path / "empty"), "--output-dir", str(tmp_path / "o")] + base, "no images found")
     user_error(["--data", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o")] + base, "does not exist")
+    os.makedirs(tmp_path / "knn" / "train" / "a")
+    user_error(["--data", data, "--knn-data", str(tmp_path / "knn"), "--output-dir", str(tmp_path / "o")] + base,
+               "has no val/ folder")
     blocker = tmp_path / "file"
     blocker.write_text("")
     user_error(["--data", data, "--output-dir", str(blocker / "sub")] + base, "not writable")

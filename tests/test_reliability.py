@@ -406,8 +406,10 @@ def test_rank_that_raises_stops_the_job_and_is_named(tmp_path, jobs):
                                     "--max-bad-images", 0] + TINY)
     code, took = job.wait()
     assert code != 0 and took < EXIT_LIMIT_S
-    # rank 0 names the rank that failed and why
-    assert re.search(r"error: stopping because rank 1: 1 unreadable images", job.output), job.output[-3000:]
+    # torchrun's summary names the rank that failed first and its one-line reason (torch's error file)
+    root = job.output.split("Root Cause")[-1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), job.output[-3000:]
+    assert re.search(r"traceback\s*:\s*error: 1 unreadable images, more than --max-bad-images 0", root)
 
 
 def test_killed_rank_stops_the_job(data, tmp_path, jobs):

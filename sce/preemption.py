@@ -1,0 +1,51 @@
+"""Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) make every rank finish its step, save and exit 75."""
+import datetime
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from sce import distributed as du
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
+
+
+def ignore_stop_signals(worker_id):
+    """SLURM signals every process of the job: workers leave the saving to their rank."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of its step and exit."""
+
+    def __init__(self, world_size, timeout_s):
+        self.flag = torch.zeros(1)
+        # a CPU (gloo) group agrees on the flag each step without syncing the GPU stream; new_group
+        # does not inherit --dist-timeout (it defaults to 30 min), so a hung peer would hang us here
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
+            if world_size > 1 else None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.flag.fill_(1)
+
+    def requested(self):
+        if self.group is None:
+            return bool(self.flag.item())
+        flag = self.flag.clone()
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item())
+
+    def exit(self, writer):
+        """Leave with PREEMPTED_EXIT_CODE once saved. Later signals are ignored: torchrun re-sends
+        SIGTERM to a rank whose peer exited first, and Python restores the default (fatal) handler
+        while shutting down, which turned 75 into death by SIGTERM."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        if writer:
+            writer.close()  # flush this run's last scalars
+        du.cleanup()
+        sys.exit(PREEMPTED_EXIT_CODE)
