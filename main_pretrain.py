@@ -27,8 +27,9 @@ from sce.engine import Training, check_compile, compile_model, train_step
 from sce.knn import knn_accuracy
 from sce.loader import (DATASETS, PretrainDataset, ResumableSampler, build_dataset, digits_imagefolder,
                         eval_transform, note_bad_images)
-from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, scheduled, set_lr
+from sce.optim import build_optimizer, cosine_lr, scheduled, set_lr
 from sce.preemption import PREEMPTED_EXIT_CODE, Preemption, ignore_stop_signals
+from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
 from sce.preview import view_labels, views_grid, write_preview
 
 
@@ -138,7 +139,7 @@ g.add_argument("--stop-after-epochs", type=int, default=0, metavar="N",
                help="end this invocation after N completed epochs, the schedule still follows --epochs (0: off)")
 g.add_argument("--print-freq", type=int, default=20, metavar="STEPS", help="progress line every this many steps")
 g.add_argument("--max-nonfinite-steps", type=int, default=20, metavar="N",
-               help="stop after N consecutive non-finite losses")
+               help="stop after N consecutive non-finite losses (checked at each progress line)")
 g.add_argument("--dist-timeout", type=int, default=1800, metavar="SECONDS", help="timeout of collectives")
 g.add_argument("--preview-views", metavar="PNG", help="write a grid of the augmented views of 8 images (rows: images; "
                "columns: the views, labelled) to PNG and exit without training")
@@ -221,78 +222,13 @@ def lambda_at(args, step, total_steps):
                      args.lambda_warmup_steps, args.lambda_warmup_start)
 
 
-# settings a resumed run must share with its checkpoint
-RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn",
-                     "pred_hidden_dims", "queue_size", "symmetric", "lambda_", "lambda_schedule", "lambda_end",
-                     "lambda_warmup_steps", "lambda_warmup_start"]
-
-
-def find_resume(args):
-    last = os.path.join(args.output_dir, "checkpoint_last.pth")
-    if args.resume == "none":
-        if os.path.exists(last):
-            raise UserError(f"{last} exists and --resume none would overwrite it: use --resume auto "
-                            "or another --output-dir")
-        return None
-    if args.resume == "auto":
-        return last if os.path.exists(last) else None
-    return args.resume
-
-
-def check_ranks_agree(args):
-    """Nodes started with different commands, or seeing different output dirs, stop here: each
-    rank would otherwise train its own way or resume from another step."""
-    path = find_resume(args)
-    stat = os.stat(path) if path else None
-    mine = {"--batch-size": args.batch_size,
-            "the checkpoint to resume": f"{path} ({stat.st_size} bytes, mtime {int(stat.st_mtime)})" if stat else "none"}
-    everyone = du.all_gather_object(mine)
-    for key in mine:
-        values = [e[key] for e in everyone]
-        if len(set(values)) > 1:
-            raise UserError(f"ranks disagree on {key} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}): "
-                            "start every node with the same command and an --output-dir they all share")
-
-
-def prepare_output_dir(path):
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
-
-
-def state_dict(model, optimizer, scaler, args, epoch, step_in_epoch, global_step):
-    return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
-            "args": vars(args), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler else None,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-
-
 def main(argv=None):
     args = parse_args(argv)
     rank, world_size, local_rank, device = du.init(timeout_s=args.dist_timeout)
     args.augment = args.augment or ("gpu" if device.type == "cuda" else "cpu")
     if world_size > 1:
         check_ranks_agree(args)
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: "
-                        f"use a multiple of {world_size}")
-    keys_per_step = args.batch_size * (2 if args.symmetric else 1)
-    if args.queue_size % keys_per_step:
-        raise UserError(f"--queue-size {args.queue_size} is not a multiple of the {keys_per_step} keys "
-                        f"enqueued per step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
-    if args.sync_bn and world_size > 1 and device.type != "cuda":
-        raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
-    bn_splits = args.bn_splits if args.shuffle_bn and world_size == 1 else 1  # several ranks shuffle for real
-    if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
-        raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at least "
-                        f"2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
-    if args.compile:
-        check_compile(device)
+    bn_splits = check_world(args, world_size, device)
     if rank == 0 and not args.preview_views:
         prepare_output_dir(args.output_dir)
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:  # the resolved settings of this run
@@ -338,13 +274,7 @@ def main(argv=None):
         compile_model(model)
 
     ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
-    writer = None
-    if rank == 0:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            writer = SummaryWriter(args.output_dir)
-        except ImportError:
-            print("tensorboard is not installed: no TensorBoard scalars", flush=True)
+    writer = open_writer(args.output_dir) if rank == 0 else None
     preemption = Preemption(world_size, args.dist_timeout)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
@@ -361,7 +291,7 @@ def main(argv=None):
         stopped_at = train_one_epoch(run, epoch, start_step)
         if stopped_at is not None:  # preempted mid-epoch: save the exact position and leave
             if rank == 0:
-                checkpoint.save(state_dict(model, optimizer, scaler, args, epoch, stopped_at,
+                checkpoint.save(run_state(model, optimizer, scaler, args, epoch, stopped_at,
                                            epoch * run.steps_per_epoch + stopped_at), args.output_dir)
                 print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; "
                       f"exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
@@ -369,22 +299,7 @@ def main(argv=None):
             preemption.exit(writer)
         start_step = 0
         epochs_done_here += 1
-        if rank == 0:  # seconds for a ResNet-50 with its queue; the other ranks wait at the kNN or the barrier
-            checkpoint.save(state_dict(model, optimizer, scaler, args, epoch + 1, 0, (epoch + 1) * run.steps_per_epoch),
-                            args.output_dir, numbered=(epoch + 1) % args.save_freq == 0 or epoch + 1 == args.epochs,
-                            keep=args.keep_checkpoints)
-        done, log = epoch + 1, dict(epoch=epoch + 1, **run.epoch_stats)
-        if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
-            log["knn_top1"], log["knn_top5"] = knn_monitor(args, model, knn_sets, device)
-            if rank == 0:
-                print(f"=> epoch {done}: kNN top-1 {log['knn_top1']:.2f} top-5 {log['knn_top5']:.2f}", flush=True)
-            if writer:
-                writer.add_scalar("knn/top1", log["knn_top1"], done)
-                writer.add_scalar("knn/top5", log["knn_top5"], done)
-        if rank == 0:
-            with open(os.path.join(args.output_dir, "log.txt"), "a") as f:  # one JSON line per epoch, as DINO
-                f.write(json.dumps(log) + "\n")
-        du.barrier()
+        end_epoch(run, epoch + 1, knn_sets)
         if preemption.requested() and epoch + 1 < args.epochs:
             if rank == 0:
                 print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
@@ -402,31 +317,55 @@ def main(argv=None):
     du.cleanup()
 
 
-def resume(args, model, optimizer, scaler, rank):
-    """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from."""
-    path = find_resume(args)
-    if not path:
-        return 0, 0
-    ckpt = checkpoint.load(path)
-    if ckpt.get("kind") != "pretrain":
-        raise UserError(f"{path} is not a main_pretrain.py checkpoint")
-    saved = ckpt["args"]
-    for key in RESUME_MUST_MATCH:
-        if key in saved and saved[key] != getattr(args, key):  # keys newer than the checkpoint are skipped
-            raise UserError(f"{path} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
-                            f"not {getattr(args, key)}: pass the same value or another --output-dir")
-    model.load_state_dict(ckpt["model"])
-    load_optimizer_state(optimizer, ckpt["optimizer"])
-    if scaler and ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    random.setstate(ckpt["rng"]["python"])
-    if torch.cuda.is_available() and len(ckpt["rng"]["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
-    if rank == 0:
-        print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
-    return epoch, step
+def check_world(args, world_size, device):
+    """Settings impossible with this many ranks or this device stop here; returns the BN splits."""
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: "
+                        f"use a multiple of {world_size}")
+    keys_per_step = args.batch_size * (2 if args.symmetric else 1)
+    if args.queue_size % keys_per_step:
+        raise UserError(f"--queue-size {args.queue_size} is not a multiple of the {keys_per_step} keys "
+                        f"enqueued per step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
+    if args.sync_bn and world_size > 1 and device.type != "cuda":
+        raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
+    bn_splits = args.bn_splits if args.shuffle_bn and world_size == 1 else 1  # several ranks shuffle for real
+    if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
+        raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at "
+                        f"least 2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
+    if args.compile:
+        check_compile(device)
+    return bn_splits
+
+
+def open_writer(output_dir):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(output_dir)
+    except ImportError:
+        print("tensorboard is not installed: no TensorBoard scalars", flush=True)
+        return None
+
+
+def end_epoch(run, done, knn_sets):
+    """After `done` epochs: save (rank 0; seconds for a ResNet-50 and its queue, while the other
+    ranks wait at the kNN monitor or the barrier), the kNN monitor on every rank, a line of log.txt."""
+    args, t = run.args, run.training
+    if du.is_main():
+        checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch),
+                        args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
+                        keep=args.keep_checkpoints)
+    log = dict(epoch=done, **run.epoch_stats)
+    if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
+        log["knn_top1"], log["knn_top5"] = knn_monitor(args, t.model, knn_sets, run.device)
+        if du.is_main():
+            print(f"=> epoch {done}: kNN top-1 {log['knn_top1']:.2f} top-5 {log['knn_top5']:.2f}", flush=True)
+        if run.writer:
+            run.writer.add_scalar("knn/top1", log["knn_top1"], done)
+            run.writer.add_scalar("knn/top5", log["knn_top5"], done)
+    if du.is_main():
+        with open(os.path.join(args.output_dir, "log.txt"), "a") as f:  # one JSON line per epoch, as DINO
+            f.write(json.dumps(log) + "\n")
+    du.barrier()
 
 
 def build_knn_sets(args):

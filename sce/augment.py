@@ -33,7 +33,6 @@ AUGMENTATIONS = {
 }
 BLUR_SIGMA = (0.1, 2.0)
 SOLARIZE_THRESHOLD = 128  # on uint8 images; 0.5 on [0, 1] floats picks the same pixels
-JITTER_OPS = ("brightness", "contrast", "saturation", "hue")  # torchvision's indices 0-3
 
 
 def blur_kernel_size(sigma):
@@ -76,6 +75,19 @@ def draw_photometric(aug):
     return params
 
 
+def pack_params(params):
+    """One view's parameters as one float row (one tensor per view crosses the loader):
+    jitter, order (4), factors (4), gray, sigma, solarize."""
+    return torch.tensor([params["jitter"], *params["order"], *params["factors"], params["gray"], params["sigma"],
+                         params["solarize"]], dtype=torch.float32)
+
+
+def unpack_params(rows):
+    """(N, 12) packed rows -> the batch's parameters by name, as sce.device_augment reads them."""
+    return dict(jitter=rows[:, 0] > 0, order=rows[:, 1:5].long(), factors=rows[:, 5:9], gray=rows[:, 9] > 0,
+                sigma=rows[:, 10], solarize=rows[:, 11] > 0)
+
+
 def apply_photometric_pil(img, params):
     """The photometric ops on a PIL image with torchvision, in torchvision's order."""
     if params["jitter"]:
@@ -98,7 +110,7 @@ class View:
     """One view: random resized crop + flip, then the photometric ops of row `aug` of Table 2.
 
     on_device=False: returns the normalised float tensor (3, size, size).
-    on_device=True: returns (uint8 crop (3, size, size), parameters as tensors) for sce.device_augment.
+    on_device=True: returns (uint8 crop (3, size, size), packed parameters) for sce.device_augment.
     """
 
     def __init__(self, aug, size, scale=(0.2, 1.0), on_device=False):
@@ -113,7 +125,7 @@ class View:
             crop = TF.resized_crop(img, top, left, height, width, [self.size, self.size], antialias=True)
             if torch.rand(1) < 0.5:
                 crop = TF.hflip(crop)
-            return crop, {k: torch.tensor(v) for k, v in draw_photometric(self.aug).items()}
+            return crop, pack_params(draw_photometric(self.aug))
         img = F.resized_crop(img, top, left, height, width, [self.size, self.size],
                              T.InterpolationMode.BILINEAR, antialias=True)
         if torch.rand(1) < 0.5:

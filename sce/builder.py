@@ -60,6 +60,8 @@ class SplitBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training or self.splits == 1:
             return super().forward(x)
+        if len(x) % self.splits:
+            raise ValueError(f"a batch of {len(x)} does not split into {self.splits} equal chunks")
         means = [self.running_mean.clone() for _ in range(self.splits)]
         variances = [self.running_var.clone() for _ in range(self.splits)]
         out = torch.cat([F.batch_norm(chunk, mean, var, self.weight, self.bias, True, self.momentum, self.eps)

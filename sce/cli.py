@@ -137,18 +137,6 @@ class Progress:
         return f"{self.done}/{self.total} images, {rate:.0f} images/s, ETA {format_eta(eta)}"
 
 
-def track(batches, total, name, every_s=30.0):
-    """Yield the (images, ...) batches of a loader, printing `name: <Progress.report()>` every
-    `every_s` seconds and once at the end."""
-    progress, last = Progress(total), time.time()
-    for batch in batches:
-        yield batch
-        progress.update(len(batch[0]))
-        if progress.done >= total or time.time() - last >= every_s:
-            print(f"{name}: {progress.report()}", flush=True)
-            last = time.time()
-
-
 # ---------------------------------------------------------------- cached features
 
 def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, batch_size=256, workers=0,
@@ -175,16 +163,11 @@ def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, 
                 return blob["features"].numpy()
         except Exception as e:  # a truncated or foreign file: compute it again
             print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
-    # its own loop: sce.knn.extract_features reads one shard per rank, here one process reads it all
+    from sce.knn import extract_features  # here: sce.knn uses this module's progress lines
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda")
-    was_training, feats = trunk.training, []
-    trunk.eval()
-    with torch.no_grad(), autocast(device, amp):
-        for images, _ in track(loader, len(dataset), f"{split} features"):
-            feats.append(trunk(images.to(device, non_blocking=True)).float().cpu())
-    trunk.train(was_training)
-    feats = torch.cat(feats)
+    with autocast(device, amp):
+        feats, _ = extract_features(trunk, loader, device, normalize=False, name=f"{split} features")
     os.makedirs(output_dir, exist_ok=True)
     save_atomic({"key": key, "features": feats}, path)
     return feats.numpy()

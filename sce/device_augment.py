@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from sce.augment import MEAN, STD, blur_kernel_size
+from sce.augment import MEAN, STD, blur_kernel_size, unpack_params
 
 
 def luma(x):
@@ -58,7 +58,7 @@ def hue(x, shift):
 
 
 def grayscale(x):
-    return luma(x).expand(-1, 3, -1, -1)
+    return luma(x).repeat(1, 3, 1, 1)  # not expand: a later op may write rows of it in place
 
 
 def blur_matrix(sigma, size, kernel_size):
@@ -136,9 +136,11 @@ def normalize_into(x, dtype, channels_last, pixel_scale=1.0):
     return torch.addcmul(shift, x, scale * pixel_scale, out=out)
 
 
-def augment(crops, params, device, dtype=None, channels_last=False):
-    """A view batch ready for the model: uint8 crops (N, 3, H, W) from the loader -> the device,
-    photometric ops, normalisation, then the dtype and memory format asked for."""
+def augment(crops, rows, device, dtype=None, channels_last=False):
+    """A view batch ready for the model: uint8 crops (N, 3, H, W) and packed parameter rows
+    (N, 12) from the loader -> the device, photometric ops, normalisation, then the dtype and
+    memory format asked for."""
+    params = unpack_params(rows)
     crops = crops.to(device, non_blocking=True)
     no_op = not (params["jitter"].any() or params["gray"].any() or (params["sigma"] > 0).any()
                  or params["solarize"].any())

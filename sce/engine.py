@@ -1,9 +1,11 @@
 """The pretraining step, shared by main_pretrain.py and benchmarks/bench_pretrain.py.
 
-A step whose gradients are not finite changes nothing, decided on the device without a host
-sync: the fused SGD (or LARS) update is skipped through its `found_inf` input, the EMA uses
-momentum 1, and the BN running statistics, the only state a forward pass changes, are put back.
-That costs a few kernel launches, against a copy of both branches and the optimizer.
+A step whose gradients are not finite leaves the weights and the optimizer as they were, decided
+on the device without a host sync: the fused SGD (or LARS) update is skipped through its
+`found_inf` input, the EMA uses momentum 1, and the BN running statistics, which the forward pass
+moved, are put back (their num_batches_tracked counters are not). The queue keeps the step's keys
+when they are finite, as in MoCo. That costs a few kernel launches, against a copy of both
+branches and the optimizer.
 """
 import dataclasses
 import importlib.util

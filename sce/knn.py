@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler, Subset
 
-from sce import cli
+from sce import UserError, cli
 from sce import distributed as du
 
 
@@ -82,6 +82,7 @@ def knn_scores(bank, bank_labels, queries, num_classes, k=200, t=0.07, chunk=102
             labels = du.all_gather(labels).view(du.world_size(), len(q), k).permute(1, 0, 2).reshape(len(q), -1)
             sim, best = sim.topk(k, dim=1)
             labels = labels.gather(1, best)
+        sim = sim.to(torch.promote_types(sim.dtype, torch.float32))  # votes in fp32 at least, even under --amp
         votes = torch.zeros(len(q), num_classes, dtype=sim.dtype, device=sim.device)
         scores.append(votes.scatter_add_(1, labels, (sim / t).exp()))
     return torch.cat(scores)
@@ -101,12 +102,18 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, 
     if max_train and max_train < len(train_set):
         train_set = Subset(train_set, torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
                            [:max_train].tolist())
+    if min(len(train_set), len(val_set)) < du.world_size():  # every rank raises: none waits for an empty shard
+        raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
+                        f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
 
     def features(dataset, name):
+        # a private generator: the loader would otherwise draw its seed from the global RNG, which the
+        # training draws from too (exact resume)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=Shard(len(dataset)), num_workers=workers,
-                            pin_memory=device.type == "cuda")
+                            pin_memory=device.type == "cuda", generator=torch.Generator())
         feats, labels = extract_features(trunk, loader, device, name=name)
         return feats.to(device), labels.to(device)
     bank, bank_labels = features(train_set, "train features")
     queries, labels = (gather_rows(x) for x in features(val_set, "val features"))
-    return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
+    with torch.autocast(device.type, enabled=False):  # similarities and votes in fp32, even under --amp
+        return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)

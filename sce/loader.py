@@ -39,7 +39,7 @@ def load_rgb(path):
         img = Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
     if img.mode in ("P", "LA", "PA"):
         img = img.convert("RGBA")
-    return img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 class Folder(ImageFolder):

@@ -75,6 +75,8 @@ def load_optimizer_state(optimizer, state):
     versions hold foreach SGD groups, and LARS groups whose weight decay SGD would apply)."""
     optimizer.load_state_dict(state)
     for group in optimizer.param_groups:
+        for key, value in optimizer.defaults.items():  # keys SGD has and the old LARS did not save
+            group.setdefault(key, value)
         group["fused"], group["foreach"] = True, None
         if isinstance(optimizer, LARS) and "lars_weight_decay" not in group:
             group["lars_weight_decay"], group["weight_decay"] = group["weight_decay"], 0.0

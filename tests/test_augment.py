@@ -13,7 +13,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from sce import UserError
 from sce import device_augment as D
-from sce.augment import AUGMENTATIONS, MEAN, STD, View, apply_photometric_pil, blur_kernel_size
+from sce.augment import AUGMENTATIONS, MEAN, STD, View, apply_photometric_pil, blur_kernel_size, unpack_params
 
 # the paper's Table 2, written out independently of sce.augment:
 # p(jitter), (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
@@ -122,16 +122,17 @@ def test_device_chain_equals_torchvision_v2(row, photo):
     torch.manual_seed(0)
     view, image = View(row, 40, on_device=True), TF.pil_to_tensor(photo)
     samples = [view(image) for _ in range(40)]
-    crops, params = default_collate(samples)
-    assert crops.dtype == torch.uint8 and crops.shape == (40, 3, 40, 40)
+    crops, rows = default_collate(samples)
+    assert crops.dtype == torch.uint8 and crops.shape == (40, 3, 40, 40) and rows.shape == (40, 12)
+    params = unpack_params(rows)
     x = crops.float() / 255
     ours = D.photometric(x.clone(), params)
-    reference = torch.stack([reference_chain(x[i], s[1]) for i, s in enumerate(samples)])
+    reference = torch.stack([reference_chain(x[i], {k: v[i] for k, v in params.items()}) for i in range(40)])
     assert (ours - reference).abs().max() <= (2 if TABLE2[row][0] else 1) * PIXEL
     if TABLE2[row][0]:  # the batch mixes applied and skipped ops, and several jitter orders
         assert 0 < params["jitter"].sum() < 40 and len({tuple(o) for o in params["order"].tolist()}) > 3
     # normalisation, dtype and memory format of the final view
-    view_batch = D.augment(crops, params, "cpu", torch.bfloat16, channels_last=True)
+    view_batch = D.augment(crops, rows, "cpu", torch.bfloat16, channels_last=True)
     expected = (reference - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
     assert view_batch.dtype == torch.bfloat16 and view_batch.is_contiguous(memory_format=torch.channels_last)
     assert (view_batch.float() - expected).abs().max() <= 0.04  # bf16 has 8 bits of mantissa
@@ -150,6 +151,18 @@ def test_both_pipelines_give_the_same_views(photo):
         ours = D.augment(crops, params, "cpu")[0]
         diffs.append(((ours - expected) * torch.tensor(STD).view(3, 1, 1)).abs())
     assert max(d.max() for d in diffs) < 16 * PIXEL and np.mean([d.mean() for d in diffs]) < 2 * PIXEL
+
+
+def test_every_image_gray_then_some_blurred_or_solarized():
+    # grayscale on every row must leave a real tensor: the later ops write some of its rows in place
+    crops = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)
+    params = dict(jitter=torch.zeros(3, dtype=torch.bool), order=torch.arange(4).repeat(3, 1),
+                  factors=torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 3), gray=torch.ones(3, dtype=torch.bool),
+                  sigma=torch.tensor([1.0, 0.0, 0.0]), solarize=torch.tensor([False, True, False]))
+    out = D.photometric(crops / 255, params)
+    gray = D.grayscale(crops / 255)
+    assert torch.allclose(out[2], gray[2]) and torch.allclose(out[1], D.solarize(gray[1:2])[0])
+    assert torch.equal(out[:, 0], out[:, 1])  # still gray
 
 
 def test_views_to_device_handles_both_kinds():

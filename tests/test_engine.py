@@ -86,9 +86,10 @@ def test_old_optimizer_states_load_into_the_fused_step():
     t = make_training("lars")
     train_step(t, views(0), 0.9)
     state = t.optimizer.state_dict()
-    for group in state["param_groups"]:  # as the previous version saved LARS: weight decay in the group
-        group["weight_decay"] = group.pop("lars_weight_decay")
-        group["fused"] = None
+    # as the previous LARS (a plain Optimizer) saved its groups: its own keys only, weight decay among them
+    state["param_groups"] = [{"params": g["params"], "lr": g["lr"], "momentum": g["momentum"],
+                              "weight_decay": g["lars_weight_decay"], "trust_coefficient": g["trust_coefficient"],
+                              "lars_exclude": g["lars_exclude"]} for g in state["param_groups"]]
     fresh = make_training("lars")
     load_optimizer_state(fresh.optimizer, state)
     assert [g["lars_weight_decay"] for g in fresh.optimizer.param_groups] == [1e-4, 0.0]

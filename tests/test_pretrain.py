@@ -198,6 +198,8 @@ def test_bad_files(data, tmp_path):
     other = [a if a != "resnet18" else "resnet34" for a in base]
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + other, "--arch resnet18")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--queue-size", "64"], "--queue-size")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--optimizer", "lars"],
+               "--optimizer sgd")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18"), "--resume", "none"] + base, "would overwrite")
 
 

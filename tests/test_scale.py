@@ -91,3 +91,15 @@ def test_slurm_script_is_valid_and_its_command_parses():
     args = main_pretrain.parse_args(shlex.split(flags))
     assert args.batch_size == 4096 and args.optimizer == "lars" and args.sync_bn and args.symmetric
     assert args.queue_size % (2 * args.batch_size) == 0
+
+
+def test_knn_scores_stay_fp32_under_autocast():
+    # main_lincls.py --knn --amp runs the kNN inside autocast: similarities and votes stay fp32
+    import torch
+    from sce.knn import knn_accuracy
+    g = torch.Generator().manual_seed(0)
+    images = [(torch.randn(3, 4, 4, generator=g), i % 3) for i in range(30)]
+    trunk = torch.nn.Flatten()
+    plain = knn_accuracy(trunk, images, images[:12], 3, torch.device("cpu"), k=5, workers=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert knn_accuracy(trunk, images, images[:12], 3, torch.device("cpu"), k=5, workers=0) == plain

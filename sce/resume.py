@@ -1,0 +1,91 @@
+"""Where a pretraining run lives and how it continues: its output dir, the checkpoint it resumes
+from (the same on every rank), what a checkpoint holds, and loading it back exactly."""
+import os
+import random
+
+import torch
+
+from sce import UserError, checkpoint
+from sce import distributed as du
+from sce.optim import load_optimizer_state
+
+# settings a resumed run must share with its checkpoint
+RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn", "optimizer",
+                     "pred_hidden_dims", "queue_size", "symmetric", "lambda_", "lambda_schedule", "lambda_end",
+                     "lambda_warmup_steps", "lambda_warmup_start"]
+
+
+def find_resume(args):
+    last = os.path.join(args.output_dir, "checkpoint_last.pth")
+    if args.resume == "none":
+        if os.path.exists(last):
+            raise UserError(f"{last} exists and --resume none would overwrite it: use --resume auto "
+                            "or another --output-dir")
+        return None
+    if args.resume == "auto":
+        return last if os.path.exists(last) else None
+    return args.resume
+
+
+def check_ranks_agree(args):
+    """Nodes started with different commands, or seeing different output dirs, stop here: each
+    rank would otherwise train its own way or resume from another step."""
+    path = find_resume(args)
+    stat = os.stat(path) if path and os.path.exists(path) else None
+    seen = f"{path} ({stat.st_size} bytes, mtime {int(stat.st_mtime)})" if stat else f"{path} (missing)" if path else "none"
+    mine = {"--batch-size": args.batch_size, "the checkpoint to resume": seen}
+    everyone = du.all_gather_object(mine)
+    for key in mine:
+        values = [e[key] for e in everyone]
+        if len(set(values)) > 1:
+            raise UserError(f"ranks disagree on {key} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}): "
+                            "start every node with the same command and an --output-dir they all share")
+
+
+def prepare_output_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
+
+
+def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step):
+    """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position."""
+    return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
+            "args": vars(args), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler else None,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+
+
+def resume(args, model, optimizer, scaler, rank):
+    """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from."""
+    path = find_resume(args)
+    if not path:
+        return 0, 0
+    ckpt = checkpoint.load(path)
+    if ckpt.get("kind") != "pretrain":
+        raise UserError(f"{path} is not a main_pretrain.py checkpoint")
+    saved = ckpt["args"]
+    for key in RESUME_MUST_MATCH:
+        if key in saved and saved[key] != getattr(args, key):  # keys newer than the checkpoint are skipped
+            raise UserError(f"{path} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
+                            f"not {getattr(args, key)}: pass the same value or another --output-dir")
+    if ckpt.get("step_in_epoch") and saved.get("batch_size") != args.batch_size:
+        raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
+                        f"same batch (not {args.batch_size}), or from an epoch-end checkpoint")
+    model.load_state_dict(ckpt["model"])
+    load_optimizer_state(optimizer, ckpt["optimizer"])
+    if scaler and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    random.setstate(ckpt["rng"]["python"])
+    if torch.cuda.is_available() and len(ckpt["rng"]["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
+    if rank == 0:
+        print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
+    return epoch, step
