@@ -172,16 +172,6 @@ def validate(model, val_loader, device, amp):
     return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
 
 
-def tensorboard(output_dir):
-    """A SummaryWriter on OUTPUT_DIR, or None when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print("tensorboard is not installed: no TensorBoard scalars", flush=True)
-        return None
-    return SummaryWriter(output_dir)
-
-
 def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_rank):
     if args.batch_size % world:
         raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
@@ -238,7 +228,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
         if du.is_main():
             print(f"=> resumed from {source} at epoch {start_epoch} (best Acc@1 {best_acc1:.2f})", flush=True)
 
-    writer = tensorboard(args.output_dir) if du.is_main() else None
+    writer = cli.summary_writer(args.output_dir) if du.is_main() else None
     steps = len(train_loader)
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = cli.Progress((args.epochs - start_epoch) * len(sampler) * world)

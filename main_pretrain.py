@@ -274,15 +274,16 @@ def main(argv=None):
         compile_model(model)
 
     ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
-    writer = open_writer(args.output_dir) if rank == 0 else None
+    writer = cli.summary_writer(args.output_dir) if rank == 0 else None
     preemption = Preemption(world_size, args.dist_timeout)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
               f"on {world_size} rank(s), lr {base_lr:.4g}, augment on {args.augment}", flush=True)
 
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
-    run = Run(args, Training(model, ddp_model, optimizer, scaler, amp_dtype), loader, sampler, device, writer,
-              preemption, base_lr, sampler.steps, sampler.steps * args.epochs,
+    terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
+    run = Run(args, Training(model, ddp_model, optimizer, scaler, amp_dtype, terms=terms), loader, sampler, device,
+              writer, preemption, base_lr,
               max_bad=args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000),
               nonfinite=torch.zeros((), device=device))
     epochs_done_here = 0
@@ -335,15 +336,6 @@ def check_world(args, world_size, device):
     if args.compile:
         check_compile(device)
     return bn_splits
-
-
-def open_writer(output_dir):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(output_dir)
-    except ImportError:
-        print("tensorboard is not installed: no TensorBoard scalars", flush=True)
-        return None
 
 
 def end_epoch(run, done, knn_sets):
@@ -399,16 +391,23 @@ class Run:
     writer: object  # TensorBoard SummaryWriter on rank 0, else None
     preemption: Preemption
     base_lr: float
-    steps_per_epoch: int
-    total_steps: int
     max_bad: int  # unreadable images tolerated
     nonfinite: torch.Tensor  # consecutive non-finite steps (device), carried across epochs
     bad_seen: dict = dataclasses.field(default_factory=dict)  # index -> reason of each unreadable image
     views_logged: bool = False  # the TensorBoard grid of views is written at the first step of a run
     epoch_stats: dict = dataclasses.field(default_factory=dict)  # averages of the last epoch, for log.txt
 
+    @property
+    def steps_per_epoch(self):
+        return self.sampler.steps
 
-TERMS = ["loss", "infonce", "ressl", "ceil"]  # the loss and the three terms of eq. 10, averaged over finite steps
+    @property
+    def total_steps(self):
+        return self.sampler.steps * self.args.epochs
+
+
+# the loss and the three terms of eq. 10 (of the first (target, query) pair), averaged over finite steps
+TERMS = ["loss", "infonce", "ressl", "ceil"]
 
 
 def train_one_epoch(run, epoch, start_step):
@@ -433,10 +432,9 @@ def train_one_epoch(run, epoch, start_step):
             grid = views_grid(views, view_labels(args))
             run.writer.add_image("views", np.asarray(grid), step, dataformats="HWC")
             run.views_logged = True
-        loss, finite, outputs = train_step(run.training, views, m)
+        loss, finite, terms = train_step(run.training, views, m)
         run.nonfinite.copy_(torch.where(finite, torch.zeros_like(run.nonfinite), run.nonfinite + 1))  # no sync
-        terms = losses.loss_terms(*outputs, args.tau, args.tau_m)
-        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name].float() for name in TERMS[1:]])
+        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name] for name in TERMS[1:]])
         values = torch.where(finite, values, torch.zeros_like(values))
         window += values
         epoch_sums += values

@@ -124,7 +124,8 @@ def build_training():
     if args.compile:
         compile_model(model)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    return Training(model, model, optimizer, scaler, amp_dtype)
+    terms = functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07)  # logged every step, as main_pretrain.py
+    return Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
 
 
 def bench_data(dataset, augment):

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_check.sh [LOG_DIR]        (default LOG_DIR: runs/gpu_check)
 # 1-3: benchmarks/bench_pretrain.py at ResNet-50 224 px, batch 256, bf16, channels_last: asymmetric and
 #      symmetric, CPU vs GPU augmentation, eager; then compiled (last: it compiles for minutes).
-# 4-5: main_pretrain.py 50 steps in fp16 and in bf16 on a generated ImageFolder, each stopped after an
+# 4-5: main_pretrain.py 50 steps in fp16 and in bf16 on the demo's digits ImageFolder, each stopped after an
 #      epoch and resumed; 6: --sync-bn on one GPU under torchrun; 7: main_lincls.py for one epoch.
 set -u
 cd "$(dirname "$0")/.."
@@ -46,26 +46,12 @@ fi
 check bench_asymmetric 150 python benchmarks/bench_pretrain.py $R50 "${STEPS[@]}" --profile
 check bench_symmetric 120 python benchmarks/bench_pretrain.py $R50 "${STEPS_SHORT[@]}" --symmetric
 
-# a small ImageFolder (train/ and val/, 4 classes of photo crops) for the script checks
-DATA=$LOG/imagefolder
-python - "$DATA" <<'EOF' >> "$LOG/checks.log" 2>&1
-import os, sys
-import numpy as np
-from PIL import Image
-from sklearn.datasets import load_sample_images
-photos, rng = load_sample_images().images, np.random.default_rng(0)
-for split, count in (("train", 400), ("val", 50)):
-    for c in range(4):
-        os.makedirs(os.path.join(sys.argv[1], split, f"class_{c}"), exist_ok=True)
-        for i in range(count):
-            p = photos[c % 2]
-            top, left = rng.integers(0, p.shape[0] - 200), rng.integers(0, p.shape[1] - 200)
-            img = Image.fromarray(p[top:top + 200, left:left + 200]).resize((160, 160))
-            img = img.rotate(90 * (c // 2))  # classes 2, 3: rotated photos
-            img.save(os.path.join(sys.argv[1], split, f"class_{c}", f"{i}.jpg"), quality=90)
-EOF
-# 1600 images, batch 64: 25 steps an epoch, 2 epochs = 50 steps, stopped after the first and resumed
-RUN="main_pretrain.py --data $DATA $NET --batch-size 64 --queue-size 4096 --epochs 2 --workers $WORKERS
+# the demo's ImageFolder (scikit-learn's digits; 1437 train / 360 val images) for the script checks
+DATA=$LOG/digits
+python -c "import sys; from sce.loader import digits_imagefolder; digits_imagefolder(sys.argv[1])" "$DATA" \
+    >> "$LOG/checks.log" 2>&1
+# batch 56: 25 steps an epoch, 2 epochs = 50 steps, stopped after the first and resumed
+RUN="main_pretrain.py --data $DATA $NET --batch-size 56 --queue-size 4032 --epochs 2 --workers $WORKERS
      --channels-last --print-freq 5"
 for amp in fp16 bf16; do
     check "pretrain_${amp}_epoch1" 60 python $RUN --amp $amp --output-dir "$LOG/$amp" --stop-after-epochs 1

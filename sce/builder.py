@@ -96,7 +96,8 @@ class SCE(nn.Module):
     views[2:] local crops. Asymmetric: view 0 is the only target, every other view a query.
     Symmetric: each global view is a target for every other view; locals are only queries.
     bn_splits > 1: every BN computes its statistics over that many chunks of the batch (one
-    process standing for several GPUs, with shuffle_bn: the authors' small-dataset setting).
+    process standing for several GPUs, with shuffle_bn: the authors' small-dataset setting). The
+    heads' BN layers are split too, as they would be on that many GPUs.
     """
 
     def __init__(self, criterion, arch="resnet50", small_input=False, proj_hidden_dims=(2048, 2048),
@@ -108,6 +109,8 @@ class SCE(nn.Module):
         self.shuffle_bn = shuffle_bn
         self.encoder, feat_dim = build_trunk(arch, small_input)
         self.projector = build_mlp(feat_dim, proj_hidden_dims, proj_dim, proj_last_bn)
+        # the authors' predictor has no bias on its last layer; ours keeps it, so that checkpoints
+        # with a predictor from earlier versions still load strictly
         self.predictor = (build_mlp(proj_dim, pred_hidden_dims, proj_dim) if pred_hidden_dims
                           else nn.Identity())
         for name in ("encoder", "projector", "predictor"):

@@ -107,6 +107,16 @@ def run(main):
         sys.exit(f"error: {e}")
 
 
+def summary_writer(output_dir):
+    """A TensorBoard SummaryWriter on output_dir, or None (with a line saying so) without tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("tensorboard is not installed: no TensorBoard scalars", flush=True)
+        return None
+    return SummaryWriter(output_dir)
+
+
 # ---------------------------------------------------------------- progress
 
 def format_eta(seconds):
@@ -168,6 +178,7 @@ def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, 
                         pin_memory=device.type == "cuda")
     with autocast(device, amp):
         feats, _ = extract_features(trunk, loader, device, normalize=False, name=f"{split} features")
+    feats = feats.cpu()
     os.makedirs(output_dir, exist_ok=True)
     save_atomic({"key": key, "features": feats}, path)
     return feats.numpy()

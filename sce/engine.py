@@ -27,6 +27,7 @@ class Training:
     amp_dtype: torch.dtype = None
     bn_stats: list = None  # running means and variances of every BN layer; filled from the model
     guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
+    terms: object = None  # f(q, k, queue) -> the logged terms of eq. 10 (losses.loss_terms), or None
 
     def __post_init__(self):
         if self.bn_stats is None:
@@ -35,7 +36,8 @@ class Training:
 
 
 def train_step(t, views, momentum):
-    """One optimizer step on device views. Returns (loss, finite, (q, k, queue)), device tensors."""
+    """One optimizer step on device views. Returns (loss, finite, terms), device tensors; terms
+    (t.terms of the first (target, query) pair, or None) are computed here so benchmarks time them."""
     device = views[0].device
     stats = torch.cat([s.flatten() for s in t.bn_stats]) if t.guard and t.bn_stats else None
     with torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None):
@@ -57,7 +59,7 @@ def train_step(t, views, momentum):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    return loss.detach(), finite, outputs
+    return loss.detach(), finite, t.terms(*outputs) if t.terms else None
 
 
 def grads_finite(optimizer):

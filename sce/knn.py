@@ -34,7 +34,7 @@ class Shard(Sampler):
 @torch.no_grad()
 def extract_features(trunk, loader, device, channels_last=False, normalize=True, name=None):
     """Trunk features (l2-normalised unless normalize=False) and labels of a whole loader, in its
-    order, with the trunk in eval mode; returned on the CPU. `name`: print progress on rank 0."""
+    order, with the trunk in eval mode; kept on `device`. `name`: print progress on rank 0."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
@@ -44,8 +44,8 @@ def extract_features(trunk, loader, device, channels_last=False, normalize=True,
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
         out = trunk(images).float()
-        feats.append((F.normalize(out, dim=1) if normalize else out).cpu())
-        labels.append(torch.as_tensor(targets))
+        feats.append(F.normalize(out, dim=1) if normalize else out)
+        labels.append(torch.as_tensor(targets).to(device, non_blocking=True))
         progress.update(len(images))
         if name and du.is_main() and (progress.done == progress.total or time.time() - shown > 30):
             shard = f" (this rank's share of {du.world_size()})" if du.world_size() > 1 else ""
@@ -69,10 +69,12 @@ def gather_rows(x):
 @torch.no_grad()
 def knn_scores(bank, bank_labels, queries, num_classes, k=200, t=0.07, chunk=1024):
     """Class scores: each of the k nearest bank features (cosine) votes exp(cos / t) for its label.
-    Under several ranks `bank` is this rank's shard and the queries are the same on every rank."""
+    Under several ranks `bank` is this rank's shard and the queries are the same on every rank.
+    Similarities and votes stay in fp32 inside an autocast region (main_lincls.py --knn --amp)."""
     scores = []
     for q in queries.split(chunk):
-        sim, idx = (q @ bank.T).topk(min(k, len(bank)), dim=1)
+        with torch.autocast(q.device.type, enabled=False):
+            sim, idx = (q @ bank.T).topk(min(k, len(bank)), dim=1)
         labels = bank_labels[idx]
         if du.world_size() > 1:  # k candidates from every rank (padded with weight-0 ones), best k overall
             pad = k - sim.shape[1]
@@ -111,9 +113,7 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, 
         # training draws from too (exact resume)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=Shard(len(dataset)), num_workers=workers,
                             pin_memory=device.type == "cuda", generator=torch.Generator())
-        feats, labels = extract_features(trunk, loader, device, name=name)
-        return feats.to(device), labels.to(device)
+        return extract_features(trunk, loader, device, name=name)
     bank, bank_labels = features(train_set, "train features")
     queries, labels = (gather_rows(x) for x in features(val_set, "val features"))
-    with torch.autocast(device.type, enabled=False):  # similarities and votes in fp32, even under --amp
-        return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
+    return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)

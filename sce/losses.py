@@ -72,7 +72,12 @@ def combined_loss(q, k, queue, lambda_=0.5, mu=0.5, eta=0.5, tau=0.1, tau_m=0.07
 
 @torch.no_grad()
 def loss_terms(q, k, queue, tau=0.1, tau_m=0.07):
-    """The three terms of eq. 10, for logging only."""
-    return {"infonce": infonce_loss(q, k, queue, tau),
-            "ressl": ressl_loss(q, k, queue, tau, tau_m),
-            "ceil": ceil_loss(q, k, queue, tau)}
+    """The three terms of eq. 10, for logging every step: the same values as infonce_loss,
+    ressl_loss and ceil_loss, from two similarity matrices instead of their four."""
+    pos, neg = _similarities(q, k, queue)
+    log_all = torch.logsumexp(torch.cat([pos, neg], dim=1) / tau, dim=1)
+    log_neg = torch.logsumexp(neg / tau, dim=1)
+    s2 = F.softmax(torch.einsum("nd,md->nm", k, queue) / tau_m, dim=1)  # eq. 3
+    return {"infonce": (log_all - pos[:, 0] / tau).mean(),  # eq. 1
+            "ressl": -(s2 * (neg / tau - log_neg[:, None])).sum(dim=1).mean(),  # eq. 4
+            "ceil": (log_all - log_neg).mean()}

@@ -108,6 +108,8 @@ def test_terms_match_equations(qkm):
     assert losses.ceil_loss(q, k, queue, 0.1).item() == pytest.approx(reference_ceil(q, k, queue, 0.1), rel=1e-10)
     terms = losses.loss_terms(q, k, queue, 0.1, 0.07)
     assert terms["ressl"].item() == pytest.approx(reference_ressl(q, k, queue, 0.1, 0.07), rel=1e-10)
+    assert terms["infonce"].item() == pytest.approx(reference_infonce(q, k, queue, 0.1), rel=1e-10)
+    assert terms["ceil"].item() == pytest.approx(reference_ceil(q, k, queue, 0.1), rel=1e-10)
 
 
 def test_free_coefficients(qkm):

@@ -111,13 +111,15 @@ def test_gpu_augment_run_lowers_the_loss(tmp_path):
     assert sum(epoch_losses[-4:]) / 4 < sum(epoch_losses[:4]) / 4 - 0.5, epoch_losses
 
 
-def test_preview_views_of_the_demo(tmp_path, monkeypatch):
+@pytest.mark.parametrize("augment", ["cpu", "gpu"])
+def test_preview_views_of_the_demo(tmp_path, monkeypatch, augment):
     monkeypatch.setenv("HOME", str(tmp_path))  # the demo writes its digits under ~/.cache
     monkeypatch.chdir(tmp_path)  # and would write its run under ./runs
     import main_pretrain
     from PIL import Image
     out = tmp_path / "views.png"
-    main_pretrain.main(["--preview-views", str(out), "--local-crop-sizes", "8", "--local-crop-scales", "0.1", "0.4"])
+    main_pretrain.main(["--preview-views", str(out), "--local-crop-sizes", "8", "--local-crop-scales", "0.1", "0.4",
+                        "--augment", augment])
     # 8 images x (target, online, one local crop), 112 px cells under a 16 px header
     assert Image.open(out).size == (3 * 112, 16 + 8 * 112)
     assert not (tmp_path / "runs").exists()  # nothing trained, nothing saved

@@ -96,10 +96,16 @@ def test_slurm_script_is_valid_and_its_command_parses():
 def test_knn_scores_stay_fp32_under_autocast():
     # main_lincls.py --knn --amp runs the kNN inside autocast: similarities and votes stay fp32
     import torch
-    from sce.knn import knn_accuracy
+    import torch.nn.functional as F
+    from sce.knn import knn_accuracy, knn_scores
     g = torch.Generator().manual_seed(0)
-    images = [(torch.randn(3, 4, 4, generator=g), i % 3) for i in range(30)]
-    trunk = torch.nn.Flatten()
-    plain = knn_accuracy(trunk, images, images[:12], 3, torch.device("cpu"), k=5, workers=0)
+    bank, queries = (F.normalize(torch.randn(n, 48, generator=g), dim=1) for n in (200, 40))
+    labels = torch.arange(200) % 3
+    plain = knn_scores(bank, labels, queries, 3, k=20)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert knn_accuracy(trunk, images, images[:12], 3, torch.device("cpu"), k=5, workers=0) == plain
+        scores = knn_scores(bank, labels, queries, 3, k=20)
+    assert scores.dtype == torch.float32 and torch.equal(scores, plain)
+    images = [(torch.randn(3, 4, 4, generator=g), i % 3) for i in range(30)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # and the whole path, extraction included, runs
+        top1, top5 = knn_accuracy(torch.nn.Flatten(), images, images[:12], 3, torch.device("cpu"), k=5, workers=0)
+    assert 0 <= top1 <= top5 <= 100
