@@ -26,9 +26,9 @@ from sce.device_augment import DeviceViews
 from sce.engine import Training, check_compile, compile_model, train_step
 from sce.knn import knn_accuracy
 from sce.loader import (DATASETS, PretrainDataset, ResumableSampler, build_dataset, digits_imagefolder,
-                        eval_transform, note_bad_images)
+                        eval_transform, init_pretrain_worker, note_bad_images)
 from sce.optim import build_optimizer, cosine_lr, scheduled, set_lr
-from sce.preemption import PREEMPTED_EXIT_CODE, Preemption, ignore_stop_signals
+from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
 from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
 from sce.preview import view_labels, views_grid, write_preview
 
@@ -252,7 +252,7 @@ def main(argv=None):
     loader = torch.utils.data.DataLoader(
         PretrainDataset(dataset, views, args.seed), batch_size=args.batch_size // world_size,
         sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
-        worker_init_fn=ignore_stop_signals, persistent_workers=args.workers > 0,
+        worker_init_fn=init_pretrain_worker, persistent_workers=args.workers > 0,
         # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
         # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
         generator=torch.Generator().manual_seed(args.seed))

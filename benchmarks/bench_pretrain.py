@@ -11,24 +11,27 @@ Without --data it writes ImageNet-like photos itself (crops of scikit-learn's tw
 """
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from sce import losses  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE  # noqa: E402
 from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
 from sce.engine import Training, compile_model, train_step  # noqa: E402
-from sce.loader import PretrainDataset, ResumableSampler, build_dataset  # noqa: E402
+from sce.loader import PretrainDataset, ResumableSampler, build_dataset, init_pretrain_worker  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,7 +113,7 @@ def make_loader(dataset, augment, batches):
     return torch.utils.data.DataLoader(
         PretrainDataset(cycled, views, seed=0), batch_size=args.batch_size,
         sampler=ResumableSampler(len(cycled), args.batch_size), num_workers=args.workers,
-        pin_memory=device.type == "cuda", drop_last=True)
+        pin_memory=device.type == "cuda", drop_last=True, worker_init_fn=init_pretrain_worker)
 
 
 def build_training():
@@ -137,14 +140,10 @@ def bench_data(dataset, augment):
     for _ in range(args.steps):
         views, _, _ = next(batches)
     seconds = time.perf_counter() - start
-    device_ms = None
-    if augment == "gpu":
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            views_to_device(views, device, amp_dtype, args.channels_last)
-        sync()
-        device_ms = round(1000 * (time.perf_counter() - start) / args.steps, 2)
+    device_ms = eager_ms = None
+    if augment == "gpu":  # the default (compiled on CUDA), then eager, on the last batch
+        device_ms = time_device_augment(views, compile=None)
+        eager_ms = time_device_augment(views, compile=False)
     if args.profile and augment == "gpu":
         with torch.profiler.profile() as prof:
             views_to_device(views, device, amp_dtype, args.channels_last)
@@ -154,7 +153,17 @@ def bench_data(dataset, augment):
     report(what="data", augment=augment, workers=args.workers, crop=args.crop_size, batch=args.batch_size,
            loader_images_per_s=round(args.steps * args.batch_size / seconds, 1),
            ms_per_image_per_core=round(1000 * seconds * max(1, args.workers) / (args.steps * args.batch_size), 2),
-           device_ms_per_batch=device_ms)
+           device_ms_per_batch=device_ms, device_ms_per_batch_eager=eager_ms)
+
+
+def time_device_augment(views, compile):
+    views_to_device(views, device, amp_dtype, args.channels_last, compile)  # compiles, on CUDA by default
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        views_to_device(views, device, amp_dtype, args.channels_last, compile)
+    sync()
+    return round(1000 * (time.perf_counter() - start) / args.steps, 2)
 
 
 def time_steps(training, views):
@@ -190,10 +199,11 @@ def bench_train_step(training):
     return args.batch_size / step_s
 
 
-def bench_end_to_end(training, dataset, augment, compute_images_per_s):
-    """Loader, views on the device (DeviceViews), then train_step, as main_pretrain.py runs them."""
-    batches = DeviceViews(make_loader(dataset, augment, args.warmup + args.steps + 2), device, amp_dtype,
-                          args.channels_last)
+def run_pipeline(training, source):
+    """Views on the device (DeviceViews) then train_step, over the batches of `source`, as
+    main_pretrain.py runs them. Returns images/s, the share of time spent waiting for `source`,
+    and the iterator (4 batches left)."""
+    batches = DeviceViews(source, device, amp_dtype, args.channels_last)
     batches_iter = iter(batches)
     for _ in range(args.warmup):
         views, _, _ = next(batches_iter)
@@ -205,27 +215,62 @@ def bench_end_to_end(training, dataset, augment, compute_images_per_s):
         train_step(training, views, 0.99)
     sync()
     seconds = time.perf_counter() - start
-    images_per_s = args.steps * args.batch_size / seconds
+    return args.steps * args.batch_size / seconds, batches.wait_s / seconds, batches_iter
+
+
+def bench_end_to_end(training, dataset, augment, compute_images_per_s):
+    """The loader, DeviceViews, then train_step."""
+    images_per_s, wait, batches_iter = run_pipeline(training, make_loader(dataset, augment, args.warmup + args.steps + 4))
     syncs, sites = count_host_syncs(training, batches_iter) if device.type == "cuda" else (None, None)
+    if args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
+        with torch.profiler.profile() as prof:
+            for _ in range(2):
+                views, _, _ = next(batches_iter)
+                train_step(training, views, 0.99)
+            sync()
+        print(f"end to end, augment {augment}, two steps:", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
     report(what="end_to_end", augment=augment, workers=args.workers, **SETTING,
-           images_per_s=round(images_per_s, 1), data_wait_share=round(batches.wait_s / seconds, 3),
+           images_per_s=round(images_per_s, 1), data_wait_share=round(wait, 3),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None,
            host_syncs_per_step=syncs, host_sync_sites=sites)
 
 
+def bench_device_pipeline(training, dataset, compute_images_per_s):
+    """End to end without the loader's CPU load: 4 of its batches (pinned), read once and cycled,
+    through DeviceViews (device augmentation) and train_step. Against end_to_end, it tells the
+    device side's cost from the host's (loader workers competing with the training process)."""
+    cached = list(itertools.islice(iter(make_loader(dataset, "gpu", 4)), 4))
+    images_per_s, _, _ = run_pipeline(training, (cached[i % 4] for i in range(args.warmup + args.steps + 4)))
+    report(what="device_pipeline", augment="gpu", **SETTING, images_per_s=round(images_per_s, 1),
+           of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None)
+
+
 def count_host_syncs(training, batches_iter, steps=2):
-    """Host-device synchronisations per step of the loop, and where, as torch's sync debug mode reports them."""
-    with warnings.catch_warnings(record=True) as caught:
+    """Host-device synchronisations per step of the loop, and where: the innermost frame of this
+    project (or of the DataLoader) under the warning torch's sync debug mode raises."""
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = traceback.extract_stack()[:-1]
+            ours = [f for f in frames if ROOT in f.filename and "site-packages" not in f.filename]
+            where = ours[-1] if ours else frames[-1]  # none of ours: another thread (the loader's pin-memory one?)
+            path = os.path.relpath(where.filename, ROOT) if ours else "/".join(where.filename.split(os.sep)[-3:])
+            sites.append(f"{os.path.basename(filename)}:{lineno} <- {path}:{where.lineno}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")  # in torch 2.11 switching it on counted as one sync
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = record
         try:
             for _ in range(steps):
                 views, _, _ = next(batches_iter)
                 train_step(training, views, 0.99)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    found = [w for w in caught if "synchroniz" in str(w.message)]
-    return len(found) / steps, sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in found})
+    return len(sites) / steps, sorted(set(sites))
 
 
 def table():
@@ -234,11 +279,14 @@ def table():
         if r["what"] == "data":
             other = f"{r['ms_per_image_per_core']} ms/image/core, workers {r['workers']}"
             if r["device_ms_per_batch"] is not None:
-                other += f", device {r['device_ms_per_batch']} ms/batch"
+                other += f", device {r['device_ms_per_batch']} ms/batch ({r['device_ms_per_batch_eager']} eager)"
             print(f"| data | {r['augment']} | {r['loader_images_per_s']} | {other} |")
         elif r["what"] == "train_step":
             print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, guard {100 * r['guard_share']:.2f}%"
                   f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''} |")
+        elif r["what"] == "device_pipeline":
+            print(f"| device_pipeline | gpu | {r['images_per_s']} | cached batches, "
+                  f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only |")
         else:
             syncs = "" if r["host_syncs_per_step"] is None else f", {r['host_syncs_per_step']} host syncs/step"
             print(f"| end_to_end | {r['augment']} | {r['images_per_s']} | data wait {100 * r['data_wait_share']:.1f}%, "
@@ -259,4 +307,6 @@ with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_data:
             for augment in args.augment:
                 bench_end_to_end(training, dataset, augment, compute)
+            if "gpu" in args.augment:
+                bench_device_pipeline(training, dataset, compute)
 table()

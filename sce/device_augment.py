@@ -1,17 +1,26 @@
 """Batched photometric augmentation on the training device (`--augment gpu`).
 
 The loader workers crop, flip and draw every random parameter (sce.augment); here the photometric
-ops of a whole batch run as a few large tensor ops, each sample with its own parameters, in fp32
+ops of a whole batch run as whole-batch tensor ops, each sample with its own parameters, in fp32
 on [0, 1]: brightness, contrast, saturation and hue in each sample's own order, grayscale,
 Gaussian blur, solarize, then normalisation. Each op computes what
 torchvision.transforms.v2.functional computes for one image (tests compare them op by op).
-On a machine without a GPU the same code runs on CPU tensors in the training process.
+
+Every op runs on every sample and a per-sample `where` keeps its result or not: no data-dependent
+shapes and no host sync, so on CUDA torch.compile fuses the chain into ~15 kernels (1.85 ms for
+256 images at 224 px on an H200, against ~20 ms eager). Hue, the costly op, runs once per batch
+(color_jitter). On a machine without a GPU the same code runs eagerly on CPU tensors in the
+training process.
 """
 import time
+import warnings
 
 import torch
+import torch.nn.functional as F
 
-from sce.augment import MEAN, STD, blur_kernel_size, unpack_params
+from sce.augment import BLUR_SIGMA, MEAN, STD, blur_kernel_size, unpack_params
+
+BLUR_PAD = blur_kernel_size(BLUR_SIGMA[1]) // 2  # taps each side for the largest sigma
 
 
 def luma(x):
@@ -25,11 +34,11 @@ def _per_sample(v):
 
 def _blend(x, other, factor):
     factor = _per_sample(factor)
-    return (factor * x + (1 - factor) * other).clamp_(0, 1)
+    return (factor * x + (1 - factor) * other).clamp(0, 1)
 
 
 def brightness(x, factor):
-    return (_per_sample(factor) * x).clamp_(0, 1)
+    return (_per_sample(factor) * x).clamp(0, 1)
 
 
 def contrast(x, factor):
@@ -53,112 +62,136 @@ def hue(x, shift):
     out = []
     for n in (5, 3, 1):
         k = torch.remainder(h6 + n, 6)
-        out.append(value - chroma * torch.minimum(k, 4 - k).clamp_(0, 1))
+        out.append(value - chroma * torch.minimum(k, 4 - k).clamp(0, 1))
     return torch.stack(out, dim=1)
 
 
 def grayscale(x):
-    return luma(x).repeat(1, 3, 1, 1)  # not expand: a later op may write rows of it in place
+    return luma(x).expand_as(x)
 
 
-def blur_matrix(sigma, size, kernel_size):
-    """(N, size, size): row o holds the Gaussian taps of output pixel o, reflect padding folded in.
-    Each sample keeps the taps within its own +-ceil(3 sigma), as its kernel on the CPU would."""
-    pad = kernel_size // 2
-    taps = torch.arange(-pad, pad + 1, device=sigma.device)
-    kernel = torch.exp(-0.5 * (taps / sigma.view(-1, 1)) ** 2)
-    kernel = kernel * (taps.abs() <= torch.ceil(3 * sigma.view(-1, 1)))
-    kernel = kernel / kernel.sum(dim=1, keepdim=True)  # (N, K)
-    source = (torch.arange(size, device=sigma.device).view(-1, 1) + taps).abs()  # reflect at 0 ...
-    source = torch.where(source > size - 1, 2 * (size - 1) - source, source)  # ... and at size - 1
-    n = len(sigma)
-    matrix = torch.zeros(n, size, size, device=sigma.device, dtype=kernel.dtype)
-    return matrix.scatter_add_(2, source.expand(n, size, kernel_size), kernel.view(n, 1, -1).expand(n, size, -1))
+def blur_taps(sigma):
+    """(N, 2 BLUR_PAD + 1) Gaussian taps of each sample, normalised over its own +-ceil(3 sigma), the
+    taps of its kernel on the CPU (sce.augment.blur_kernel_size); the rest weigh 0. Sigma 0 gives
+    [0, ..., 0, 1, 0, ..., 0]: the image unchanged, exactly."""
+    taps = torch.arange(-BLUR_PAD, BLUR_PAD + 1, device=sigma.device, dtype=sigma.dtype)
+    sigma = sigma.view(-1, 1)
+    weights = torch.exp(-0.5 * (taps / sigma.clamp(min=1e-3)) ** 2) * (taps.abs() <= torch.ceil(3 * sigma))
+    return weights / weights.sum(dim=1, keepdim=True)
 
 
-def gaussian_blur(x, sigma, kernel_size):
-    """Per-sample sigma, reflect padding, separable: two batched matmuls with banded matrices
-    (several times faster on a GPU than a depthwise convolution). kernel_size: that of the
-    largest sigma (sce.augment.blur_kernel_size)."""
-    rows = blur_matrix(sigma, x.shape[-2], kernel_size).unsqueeze(1)
-    cols = blur_matrix(sigma, x.shape[-1], kernel_size).unsqueeze(1)
-    return rows @ x @ cols.transpose(-1, -2)
+def gaussian_blur(x, sigma):
+    """Per-sample sigma (0: no blur), reflect padding as torchvision, separable: a weighted sum of
+    shifted copies along each axis (fused into one kernel per axis when compiled)."""
+    taps = blur_taps(sigma).view(len(x), 1, 1, 1, -1)
+    height, width = x.shape[-2:]
+    padded = F.pad(x, (BLUR_PAD, BLUR_PAD, 0, 0), mode="reflect")
+    x = sum(taps[..., k] * padded[..., k:k + width] for k in range(taps.shape[-1]))
+    padded = F.pad(x, (0, 0, BLUR_PAD, BLUR_PAD), mode="reflect")
+    return sum(taps[..., k] * padded[..., k:k + height, :] for k in range(taps.shape[-1]))
 
 
 def solarize(x):
     return torch.where(x >= 0.5, 1 - x, x)
 
 
-JITTER = (brightness, contrast, saturation, hue)  # torchvision's op indices 0-3
+def jitter_slot(x, op, factors):
+    """Per sample: brightness (op 0), contrast (1) or saturation (2) with its own factor, or nothing (-1)."""
+    out = x
+    for op_index, fn in enumerate((brightness, contrast, saturation)):  # torchvision's op indices
+        out = torch.where(_per_sample(op == op_index), fn(x, factors[:, op_index]), out)
+    return out
 
 
-def on_rows(x, rows, op, *row_args, **kwargs):
-    """x with `op` applied to the rows selected by the CPU bool mask `rows` (no device sync)."""
-    index = rows.nonzero().flatten()
-    if len(index) == 0:
-        return x
-    if len(index) == len(x):
-        return op(x, *row_args, **kwargs)
-    if x.is_cuda:
-        index = index.pin_memory().to(x.device, non_blocking=True)  # pinned: a truly asynchronous copy
-    picked = op(x.index_select(0, index), *[a.index_select(0, index) for a in row_args], **kwargs)
-    return x.index_copy_(0, index, picked.to(x.dtype))
+def color_jitter(x, jitter, order, factors):
+    """ColorJitter where `jitter`, each sample's four ops in its own `order` (hue: op 3). Hue, the
+    costly op, runs once for the batch: each sample's other three ops go to the three slots
+    before it or the three after it, keeping their order."""
+    hue_at = (order == 3).int().argmax(dim=1)  # hue's position in each sample's order
+    for slot in range(6):
+        j = slot % 3  # the sample's j-th op other than hue: at position j, or j + 1 once past hue
+        op = order.gather(1, (j + (hue_at <= j)).view(-1, 1)).view(-1)
+        in_slot = jitter & ((j < hue_at) if slot < 3 else (j >= hue_at))
+        x = jitter_slot(x, torch.where(in_slot, op, -1), factors)
+        if slot == 2:
+            x = torch.where(_per_sample(jitter), hue(x, factors[:, 3]), x)
+    return x
 
 
 def photometric(x, params):
-    """The photometric ops of one view on a float batch in [0, 1]. params: the view's parameters
-    as collated by the loader (CPU tensors: jitter (N,), order (N, 4), factors (N, 4), gray (N,),
-    sigma (N,), solarize (N,)); they choose the rows of each op on the CPU."""
-    on_device = {k: params[k].to(x.device, non_blocking=True) for k in ("factors", "sigma")}
-    for position in range(4):
-        for op_index, op in enumerate(JITTER):
-            rows = params["jitter"] & (params["order"][:, position] == op_index)
-            x = on_rows(x, rows, op, on_device["factors"][:, op_index])
-    x = on_rows(x, params["gray"], grayscale)
-    blurred = params["sigma"] > 0
-    if blurred.any():  # one kernel size for the batch: that of its largest sigma, known on the CPU
-        x = on_rows(x, blurred, gaussian_blur, on_device["sigma"],
-                    kernel_size=blur_kernel_size(float(params["sigma"].max())))
-    return on_rows(x, params["solarize"], solarize)
+    """The photometric ops of one view on a float batch in [0, 1]. params: the view's parameters by
+    name (sce.augment.unpack_params), on x's device: jitter (N,), order (N, 4), factors (N, 4),
+    gray (N,), sigma (N,), solarize (N,)."""
+    x = color_jitter(x, params["jitter"], params["order"], params["factors"])
+    x = torch.where(_per_sample(params["gray"]), grayscale(x), x)
+    x = gaussian_blur(x, params["sigma"])
+    return torch.where(_per_sample(params["solarize"]), solarize(x), x)
+
+
+def normalize(x, scale, shift, dtype, memory_format):
+    """(x - mean) / std as x * scale + shift, in the dtype and memory format asked for."""
+    return torch.addcmul(shift, x, scale).to(dtype=dtype, memory_format=memory_format)
+
+
+def crop_batch(crops, scale, shift, dtype, memory_format):
+    """uint8 crops of a view without photometric ops (weak), on the device -> the normalised view."""
+    return normalize(crops / 255, scale, shift, dtype, memory_format)
+
+
+def augment_batch(crops, rows, scale, shift, dtype, memory_format):
+    """uint8 crops and packed parameter rows, both on the device -> the normalised view."""
+    return normalize(photometric(crops / 255, unpack_params(rows)), scale, shift, dtype, memory_format)
 
 
 _STATS = {}  # device -> (1 / std, -mean / std): made once, as a host-to-device copy of a new tensor waits for the GPU
+COMPILED = {}  # function name -> its compiled version
+compile_failed = False
 
 
-def normalize_into(x, dtype, channels_last, pixel_scale=1.0):
-    """(x * pixel_scale - mean) / std as one kernel, written straight in the dtype and memory format asked for."""
-    if str(x.device) not in _STATS:
-        mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
-        _STATS[str(x.device)] = (1 / std).to(x.device), (-mean / std).to(x.device)
-    scale, shift = _STATS[str(x.device)]
-    out = torch.empty(x.shape, dtype=dtype or torch.float32, device=x.device,
-                      memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    return torch.addcmul(shift, x, scale * pixel_scale, out=out)
+def run_compiled(fn, *args, compile=True):
+    """fn(*args), compiled if `compile` (static shapes: one compile per view size). If compiling
+    fails (no Triton or no C compiler, say), a warning and eager ops from then on."""
+    global compile_failed
+    if not compile or compile_failed:
+        return fn(*args)
+    if fn.__name__ not in COMPILED:
+        COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+    try:
+        return COMPILED[fn.__name__](*args)
+    except Exception as e:  # noqa: BLE001: whatever stops the compiler, the eager ops still work (or raise the real error)
+        compile_failed = True
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        warnings.warn(f"--augment gpu: torch.compile of the augmentation failed ({reason}); running it eagerly, "
+                      "several times slower")
+        return fn(*args)
 
 
-def augment(crops, rows, device, dtype=None, channels_last=False):
+def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
     """A view batch ready for the model: uint8 crops (N, 3, H, W) and packed parameter rows
     (N, 12) from the loader -> the device, photometric ops, normalisation, then the dtype and
-    memory format asked for."""
-    params = unpack_params(rows)
+    memory format asked for. compile (default: on CUDA): run the ops compiled."""
     crops = crops.to(device, non_blocking=True)
-    no_op = not (params["jitter"].any() or params["gray"].any() or (params["sigma"] > 0).any()
-                 or params["solarize"].any())
-    if no_op:  # the weak view: uint8 straight to the normalised view
-        return normalize_into(crops, dtype, channels_last, pixel_scale=1 / 255)
-    x = photometric(crops / 255, params)  # uint8 / float: one kernel to float32
-    return normalize_into(x, dtype, channels_last)
+    if str(crops.device) not in _STATS:
+        mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+        _STATS[str(crops.device)] = (1 / std).to(crops.device), (-mean / std).to(crops.device)
+    scale, shift = _STATS[str(crops.device)]
+    settings = (dtype or torch.float32, torch.channels_last if channels_last else torch.contiguous_format)
+    compile = crops.is_cuda if compile is None else compile
+    if not rows[:, [0, 9, 10, 11]].any():  # no photometric op in the batch (the weak view; rows on the CPU)
+        return run_compiled(crop_batch, crops, scale, shift, *settings, compile=compile)
+    rows = rows.to(device, non_blocking=True)
+    return run_compiled(augment_batch, crops, rows, scale, shift, *settings, compile=compile)
 
 
-def views_to_device(views, device, dtype=None, channels_last=False):
+def views_to_device(views, device, dtype=None, channels_last=False, compile=None):
     """The loader's views, ready on the training device: normalised views (--augment cpu) are
-    moved there; (uint8 crops, parameters) pairs (--augment gpu) are augmented there."""
+    moved there; (uint8 crops, parameters) pairs (--augment gpu) are augmented there (compile: see augment)."""
     memory_format = torch.channels_last if channels_last else torch.preserve_format
     out = []
     for view in views:
         if isinstance(view, (list, tuple)):
             crops, params = view
-            out.append(augment(crops, params, device, dtype, channels_last))
+            out.append(augment(crops, params, device, dtype, channels_last, compile))
         else:
             out.append(view.to(device, non_blocking=True).to(dtype=dtype or view.dtype, memory_format=memory_format))
     return out

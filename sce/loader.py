@@ -11,9 +11,21 @@ from torchvision.datasets import CIFAR10, CIFAR100, STL10, ImageFolder
 
 from sce import UserError
 from sce.augment import MEAN, STD
+from sce.preemption import ignore_stop_signals
 
 IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
 DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]
+
+
+WORKER_NICENESS = 5
+
+
+def init_pretrain_worker(worker_id):
+    """A pretraining loader worker leaves SIGTERM / SIGUSR1 to its rank (sce.preemption) and runs at
+    a lower priority: where the workers fill every core, the training process, which launches the
+    GPU's kernels one by one, still gets its core when it needs it."""
+    ignore_stop_signals(worker_id)
+    os.nice(WORKER_NICENESS)
 
 
 def eval_transform(train, crop_size=224, small=False):

@@ -51,7 +51,8 @@ def write_preview(args, dataset, views, device):
     samples = PretrainDataset(dataset, views, args.seed)
     picked = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
     batch = torch.utils.data.default_collate([samples[(0, i)][0] for i in picked])
-    grid = views_grid(views_to_device(batch, device), view_labels(args))
+    views = views_to_device(batch, device, compile=False)  # one batch of 8: not worth a compile
+    grid = views_grid(views, view_labels(args))
     grid.save(args.preview_views)
     print(f"=> wrote the views of {len(picked)} images to {args.preview_views} ({grid.size[0]}x{grid.size[1]} px, "
           f"augment on {args.augment})", flush=True)

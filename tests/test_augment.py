@@ -1,6 +1,8 @@
 """Augmentations: Table 2 and torchvision's random stream (CPU pipeline), and the batched device ops
 against torchvision.transforms.v2.functional, op by op and chained, for every row."""
+import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -91,7 +93,7 @@ def test_each_device_op_equals_torchvision_v2():
         (D.saturation(x.clone(), factor), per_image(TF.adjust_saturation, x, factor), PIXEL),
         (D.hue(x.clone(), shift), per_image(TF.adjust_hue, x, shift), 2 * PIXEL),
         (D.grayscale(x), per_image(lambda im: TF.rgb_to_grayscale(im, 3), x), PIXEL),
-        (D.gaussian_blur(x, sigma, blur_kernel_size(2.0)), per_image(
+        (D.gaussian_blur(x, sigma), per_image(
             lambda im, s: TF.gaussian_blur(im, [blur_kernel_size(s)] * 2, [s, s]), x, sigma), PIXEL),
     ]
     checks.append((D.solarize(x), per_image(lambda im: TF.solarize(im, 0.5), x), PIXEL))
@@ -153,8 +155,25 @@ def test_both_pipelines_give_the_same_views(photo):
     assert max(d.max() for d in diffs) < 16 * PIXEL and np.mean([d.mean() for d in diffs]) < 2 * PIXEL
 
 
+def test_color_jitter_in_every_order():
+    """Hue runs once for the batch, the other ops in slots around it: each of the 24 orders still
+    applies the four ops in its own order (torchvision, image by image)."""
+    orders = torch.tensor([list(p) for p in itertools.permutations(range(4))])
+    x = random_images(n=len(orders), seed=1)
+    factors = torch.tensor([[0.7, 1.3, 0.6, 0.08]]).repeat(len(orders), 1)
+    jitter = torch.arange(len(orders)) != 5  # one sample without jitter: unchanged
+    ours = D.color_jitter(x, jitter, orders, factors)
+    ops = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue)
+    for i, order in enumerate(orders.tolist()):
+        expected = x[i]
+        for op in order if jitter[i] else []:
+            expected = ops[op](expected, factors[i, op].item())
+        assert (ours[i] - expected).abs().max() <= 2 * PIXEL, order
+    assert torch.equal(ours[5], x[5])
+
+
 def test_every_image_gray_then_some_blurred_or_solarized():
-    # grayscale on every row must leave a real tensor: the later ops write some of its rows in place
+    # every row gray, then per-row blur and solarize on top of the (expanded) gray image
     crops = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)
     params = dict(jitter=torch.zeros(3, dtype=torch.bool), order=torch.arange(4).repeat(3, 1),
                   factors=torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 3), gray=torch.ones(3, dtype=torch.bool),
@@ -187,9 +206,56 @@ def test_blur_has_the_requested_sigma_at_every_size(size):
     impulse = torch.zeros(1, 1, size, size)
     impulse[..., size // 2] = 1.0
     for sigma in (0.5, 1.0, 2.0):
-        device = D.gaussian_blur(impulse.expand(1, 3, -1, -1).clone(), torch.tensor([sigma]), blur_kernel_size(sigma))
+        device = D.gaussian_blur(impulse.expand(1, 3, -1, -1), torch.tensor([sigma]))
         assert effective_sigma(device[0, 0]) == pytest.approx(sigma, rel=0.1), ("device", size, sigma)
         pil = Image.fromarray((impulse[0, 0].numpy() * 255).astype(np.uint8)).convert("RGB")
         params = dict(jitter=False, gray=False, sigma=sigma, solarize=False)
         cpu = TF.pil_to_tensor(apply_photometric_pil(pil, params))[0]
         assert effective_sigma(cpu) == pytest.approx(sigma, rel=0.1), ("cpu", size, sigma)
+
+
+def test_blur_with_sigma_zero_leaves_the_image_exactly():
+    x = random_images(n=3)
+    out = D.gaussian_blur(x, torch.tensor([0.0, 1.5, 0.0]))
+    assert torch.equal(out[0], x[0]) and torch.equal(out[2], x[2]) and not torch.allclose(out[1], x[1])
+
+
+def strong_batch(n=16, size=32):
+    torch.manual_seed(0)
+    view = View("strong-gamma", size, on_device=True)
+    image = torch.randint(0, 256, (3, 60, 70), dtype=torch.uint8)
+    return default_collate([view(image) for _ in range(n)])
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
+def test_compiled_augmentation_equals_eager(monkeypatch):
+    """What CUDA runs by default: the chain compiled (here by inductor's C++ backend), one graph."""
+    monkeypatch.setattr(D, "COMPILED", {})
+    monkeypatch.setattr(D, "compile_failed", False)
+    crops, rows = strong_batch()
+    weak_rows = torch.zeros_like(rows)
+    for r in (rows, weak_rows):  # augment_batch, then crop_batch (no photometric op)
+        eager = D.augment(crops, r, "cpu", torch.bfloat16, channels_last=True, compile=False)
+        compiled = D.augment(crops, r, "cpu", torch.bfloat16, channels_last=True, compile=True)
+        assert compiled.dtype == torch.bfloat16 and compiled.is_contiguous(memory_format=torch.channels_last)
+        assert (compiled.float() - eager.float()).abs().max() <= 0.016  # 1 bf16 step at 2-4, from fp32 rounding
+        assert (compiled.float() != eager.float()).float().mean() < 0.01
+    assert set(D.COMPILED) == {"augment_batch", "crop_batch"} and not D.compile_failed
+
+
+def test_augmentation_falls_back_to_eager_when_compile_fails(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def fail(*args):
+            raise RuntimeError("Cannot find a working triton installation\nmore lines")
+        return fail
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(D, "COMPILED", {})
+    monkeypatch.setattr(D, "compile_failed", False)
+    crops, rows = strong_batch(n=4)
+    with pytest.warns(UserWarning, match="failed \\(Cannot find a working triton installation\\); running it eagerly"):
+        out = D.augment(crops, rows, "cpu", compile=True)
+    assert D.compile_failed
+    assert torch.equal(out, D.augment(crops, rows, "cpu", compile=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second try, no second warning
+        assert torch.equal(out, D.augment(crops, rows, "cpu", compile=True))

@@ -119,6 +119,7 @@ def test_benchmark_reports_every_measurement(tmp_path):
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     data = {r["augment"]: r for r in lines if r["what"] == "data"}
     assert set(data) == {"cpu", "gpu"} and data["gpu"]["device_ms_per_batch"] > 0
+    assert data["gpu"]["device_ms_per_batch_eager"] > 0 and data["cpu"]["device_ms_per_batch"] is None
     assert all(r["loader_images_per_s"] > 0 and r["workers"] == 0 for r in data.values())
     step = [r for r in lines if r["what"] == "train_step"]
     assert len(step) == 1 and step[0]["images_per_s"] > 0 and step[0]["step_ms_without_guard"] > 0
@@ -127,3 +128,5 @@ def test_benchmark_reports_every_measurement(tmp_path):
     assert set(ends) == {"cpu", "gpu"}
     assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in ends.values())
     assert "| end_to_end | gpu |" in proc.stdout
+    (cached,) = [r for r in lines if r["what"] == "device_pipeline"]
+    assert cached["images_per_s"] > 0 and cached["of_compute_only"] > 0

@@ -11,7 +11,8 @@ from PIL import Image
 from conftest import write_imagefolder
 from sce import UserError
 from sce.augment import MultiView, View
-from sce.loader import PretrainDataset, ResumableSampler, build_dataset, load_rgb, sample_seed
+from sce.loader import (WORKER_NICENESS, PretrainDataset, ResumableSampler, build_dataset, init_pretrain_worker,
+                        load_rgb, sample_seed)
 
 
 def test_views_are_a_function_of_seed_epoch_index(imagefolder):
@@ -146,3 +147,18 @@ def test_missing_and_empty_data(tmp_path):
     (tmp_path / "empty" / "class_a" / "notes.txt").write_text("not an image")
     with pytest.raises(UserError, match="no images found"):
         build_dataset("imagefolder", str(tmp_path / "empty"), "pretrain")
+
+
+class Niceness(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return os.nice(0)
+
+
+def test_pretrain_workers_yield_the_cpu_to_training():
+    """Workers run at a lower priority than the training process (which launches the GPU kernels)."""
+    loader = torch.utils.data.DataLoader(Niceness(), batch_size=2, num_workers=1, worker_init_fn=init_pretrain_worker)
+    (niceness,) = list(loader)
+    assert niceness.tolist() == [min(19, os.nice(0) + WORKER_NICENESS)] * 2
