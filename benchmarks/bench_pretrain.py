@@ -195,8 +195,24 @@ def bench_train_step(training):
                   guard_share=round((step_s - unguarded_s) / step_s, 4))
     if device.type == "cuda":
         fields["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+    if not args.compile:  # (a compiled model would recompile for the small shape)
+        fields["host_step_ms"] = round(1000 * host_step_s(training, memory_format), 2)
     report(**fields)
     return args.batch_size / step_s
+
+
+def host_step_s(training, memory_format):
+    """The host's own time per step: the same step on up to 8 images of 64 px, whose GPU work is
+    tiny, so the host's launches set the pace. Near step_ms, the host cannot keep ahead of the GPU.
+    (On a CPU device it includes the small step's compute.)"""
+    n = max(d for d in range(1, 9) if args.batch_size % d == 0)  # divides the batch, so the queue too
+    size = min(64, args.crop_size)
+    views = [torch.randn(n, 3, size, size, device=device).to(amp_dtype or torch.float32, memory_format=memory_format)
+             for _ in range(2)]
+    queue_ptr = training.model.queue_ptr.clone()  # n keys a step would misalign the pointer for the batch
+    seconds = time_steps(training, views)
+    training.model.queue_ptr.copy_(queue_ptr)
+    return seconds
 
 
 def run_pipeline(training, source):
@@ -220,7 +236,8 @@ def run_pipeline(training, source):
 
 def bench_end_to_end(training, dataset, augment, compute_images_per_s):
     """The loader, DeviceViews, then train_step."""
-    images_per_s, wait, batches_iter = run_pipeline(training, make_loader(dataset, augment, args.warmup + args.steps + 4))
+    loader = make_loader(dataset, augment, args.warmup + args.steps + 4)
+    images_per_s, wait, batches_iter = run_pipeline(training, loader)
     syncs, sites = count_host_syncs(training, batches_iter) if device.type == "cuda" else (None, None)
     if args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
         with torch.profiler.profile() as prof:
@@ -283,7 +300,8 @@ def table():
             print(f"| data | {r['augment']} | {r['loader_images_per_s']} | {other} |")
         elif r["what"] == "train_step":
             print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, guard {100 * r['guard_share']:.2f}%"
-                  f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''} |")
+                  f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''}"
+                  f"{', host ' + str(r['host_step_ms']) + ' ms/step' if 'host_step_ms' in r else ''} |")
         elif r["what"] == "device_pipeline":
             print(f"| device_pipeline | gpu | {r['images_per_s']} | cached batches, "
                   f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only |")

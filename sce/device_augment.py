@@ -158,7 +158,7 @@ def run_compiled(fn, *args, compile=True):
         COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
     try:
         return COMPILED[fn.__name__](*args)
-    except Exception as e:  # noqa: BLE001: whatever stops the compiler, the eager ops still work (or raise the real error)
+    except Exception as e:  # noqa: BLE001: whatever stops the compiler; eager ops work (or raise the real error)
         compile_failed = True
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         warnings.warn(f"--augment gpu: torch.compile of the augmentation failed ({reason}); running it eagerly, "

@@ -123,6 +123,7 @@ def test_benchmark_reports_every_measurement(tmp_path):
     assert all(r["loader_images_per_s"] > 0 and r["workers"] == 0 for r in data.values())
     step = [r for r in lines if r["what"] == "train_step"]
     assert len(step) == 1 and step[0]["images_per_s"] > 0 and step[0]["step_ms_without_guard"] > 0
+    assert step[0]["host_step_ms"] > 0
     assert -1 < step[0]["guard_share"] < 1  # the difference of two timings: noise can make it negative
     ends = {r["augment"]: r for r in lines if r["what"] == "end_to_end"}
     assert set(ends) == {"cpu", "gpu"}
