@@ -14,13 +14,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from sce import UserError, cli
 from sce import distributed as du
 from sce import transfer
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
-from sce.knn import knn_accuracy
+from sce.knn import Shard, knn_accuracy
 from sce.loader import DATASETS, MEAN, STD, build_dataset, eval_transform
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
 
@@ -99,7 +99,7 @@ def main(argv=None):
     if not source:
         raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
 
-    rank, world, local_rank, device = du.init()
+    _, _, _, device = du.init()
     try:
         trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input,
                                            "online" if args.resume else args.encoder)
@@ -112,8 +112,13 @@ def main(argv=None):
         torch.manual_seed(args.seed)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        run = {"linear": run_linear, "knn": run_knn, "logreg": run_logreg}[args.classifier]
-        run(args, trunk.to(device), feat_dim, ckpt, source, device, rank, world, local_rank)
+        trunk.to(device)
+        if args.classifier == "linear":
+            run_linear(args, trunk, feat_dim, ckpt, source, device)
+        elif args.classifier == "knn":
+            run_knn(args, trunk, device)
+        else:
+            run_logreg(args, trunk, source, device)
     finally:
         du.cleanup()
 
@@ -154,6 +159,13 @@ def check_frozen(model, reference):
                                "frozen (requires_grad False, eval mode); this is a bug, please report it")
 
 
+def check_finite(first_bad, epoch):
+    """Stops the run at the first non-finite loss, noted on the device as (step, loss)."""
+    step, loss = first_bad.tolist()
+    if step >= 0:
+        raise UserError(f"loss is {loss} at epoch {epoch + 1} step {int(step) + 1}: lower --lr")
+
+
 @torch.no_grad()
 def validate(model, val_loader, device, amp):
     """(Acc@1, Acc@5, mean loss) over the val images of every rank."""
@@ -166,13 +178,14 @@ def validate(model, val_loader, device, amp):
         hit = out.topk(min(5, out.shape[1]), dim=1).indices == target[:, None]
         totals += torch.stack([F.cross_entropy(out, target, reduction="sum").double(),
                                hit[:, :1].any(1).sum().double(), hit.any(1).sum().double(),
-                               torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
+                               torch.full((), len(target), dtype=torch.float64, device=device)])  # a fill: no copy
     totals = du.all_reduce_sum(totals)
     n = max(totals[3].item(), 1.0)
     return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
 
 
-def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_rank):
+def run_linear(args, model, feat_dim, ckpt, source, device):
+    rank, world = du.rank(), du.world_size()
     if args.batch_size % world:
         raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
     small = args.small_input
@@ -204,7 +217,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
     # seeded per epoch (also on one process) so a resumed run sees the same order
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     train_loader = loader(train_ds, per_rank, args, False, sampler)
-    val_loader = loader(Subset(val_ds, range(rank, len(val_ds), world)), per_rank, args, False)
+    val_loader = loader(val_ds, per_rank, args, False, Shard(len(val_ds)))  # every val image on one rank
 
     if args.evaluate:
         acc1, acc5, loss = validate(model, val_loader, device, args.amp)
@@ -214,7 +227,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
         return
 
     # DDP only all-reduces parameters that require grad: here those of fc
-    ddp = (DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
            if world > 1 else model)
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, args.sgd_momentum,
                                 exclude_bias_norm=True)
@@ -238,6 +251,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
         if args.schedule == "step":
             set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
         loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0  # this rank's, for the epoch mean
+        first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
         for i, (images, target) in enumerate(train_loader):
             if args.schedule == "cosine":
                 set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr,
@@ -245,8 +259,9 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
             images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
             with cli.autocast(device, args.amp):
                 loss = F.cross_entropy(ddp(images).float(), target)
-            if not torch.isfinite(loss):
-                raise UserError(f"loss is {loss.item()} at epoch {epoch + 1} step {i + 1}: lower --lr")
+            # noted on the device, checked at the progress lines: no host sync per step
+            bad_now = torch.stack([torch.full_like(loss, i), loss.detach()])
+            first_bad = torch.where((first_bad[0] < 0) & ~torch.isfinite(loss), bad_now, first_bad)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -254,9 +269,11 @@ def run_linear(args, model, feat_dim, ckpt, source, device, rank, world, local_r
             loss_sum += loss.detach().double() * len(images)
             seen += len(images)
             progress.update(len(images) * world)
-            if du.is_main() and ((i + 1) % args.print_freq == 0 or i + 1 == steps):
-                print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
-                      f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
+            if (i + 1) % args.print_freq == 0 or i + 1 == steps:
+                check_finite(first_bad, epoch)
+                if du.is_main():
+                    print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
+                          f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
         if epoch == start_epoch:
             check_frozen(model, reference)
         totals = du.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(seen))]))
@@ -305,7 +322,7 @@ def features(args, trunk, ds, split, source, device):
 
 # ---------------------------------------------------------------- kNN
 
-def run_knn(args, trunk, feat_dim, ckpt, source, device, rank, world, local_rank):
+def run_knn(args, trunk, device):
     # the memory bank is the train split, the queries the val split, both without augmentation; every
     # rank extracts and scores its share (sce.knn), as the kNN monitor of main_pretrain.py does
     tf = eval_transform(False, args.crop_size, args.small_input)
@@ -323,7 +340,7 @@ def run_knn(args, trunk, feat_dim, ckpt, source, device, rank, world, local_rank
 
 # ---------------------------------------------------------------- many-shot logistic regression
 
-def run_logreg(args, trunk, feat_dim, ckpt, source, device, rank, world, local_rank):
+def run_logreg(args, trunk, source, device):
     # ssl-transfer: bicubic resize of the short side + centre crop, no augmentation
     tf = T.Compose([T.Resize(args.crop_size, interpolation=T.InterpolationMode.BICUBIC),
                     T.CenterCrop(args.crop_size), T.ToTensor(), T.Normalize(MEAN, STD)])

@@ -25,8 +25,8 @@ from sce.builder import ARCHS, SCE, momentum_at
 from sce.device_augment import DeviceViews
 from sce.engine import Training, check_compile, compile_model, train_step
 from sce.knn import knn_accuracy
-from sce.loader import (DATASETS, PretrainDataset, ResumableSampler, build_dataset, digits_imagefolder,
-                        eval_transform, init_pretrain_worker, note_bad_images)
+from sce.loader import (DATASETS, ResumableSampler, build_dataset, digits_imagefolder, eval_transform,
+                        note_bad_images, pretrain_loader)
 from sce.optim import build_optimizer, cosine_lr, scheduled, set_lr
 from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
 from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
@@ -224,7 +224,7 @@ def lambda_at(args, step, total_steps):
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, world_size, local_rank, device = du.init(timeout_s=args.dist_timeout)
+    rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
     args.augment = args.augment or ("gpu" if device.type == "cuda" else "cpu")
     if world_size > 1:
         check_ranks_agree(args)
@@ -249,13 +249,7 @@ def main(argv=None):
             write_preview(args, dataset, views, device)
         du.cleanup()
         return
-    loader = torch.utils.data.DataLoader(
-        PretrainDataset(dataset, views, args.seed), batch_size=args.batch_size // world_size,
-        sampler=sampler, num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True,
-        worker_init_fn=init_pretrain_worker, persistent_workers=args.workers > 0,
-        # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
-        # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
-        generator=torch.Generator().manual_seed(args.seed))
+    loader = pretrain_loader(dataset, views, sampler, args.batch_size // world_size, args.workers, device, args.seed)
 
     model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
                 args.proj_last_bn, args.pred_hidden_dims, args.queue_size, args.symmetric, args.shuffle_bn,
@@ -280,7 +274,7 @@ def main(argv=None):
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
               f"on {world_size} rank(s), lr {base_lr:.4g}, augment on {args.augment}", flush=True)
 
-    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+    amp_dtype = cli.AMP[args.amp]
     terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
     run = Run(args, Training(model, ddp_model, optimizer, scaler, amp_dtype, terms=terms), loader, sampler, device,
               writer, preemption, base_lr,

@@ -26,12 +26,12 @@ from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from sce import losses  # noqa: E402
+from sce import cli, losses  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE  # noqa: E402
 from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
 from sce.engine import Training, compile_model, train_step  # noqa: E402
-from sce.loader import PretrainDataset, ResumableSampler, build_dataset, init_pretrain_worker  # noqa: E402
+from sce.loader import ResumableSampler, build_dataset, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +59,7 @@ parser.add_argument("--profile", action="store_true", help="print the top kernel
 args = parser.parse_args()
 device = torch.device(args.device)
 torch.backends.cudnn.benchmark = True  # as main_pretrain.py
-amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+amp_dtype = cli.AMP[args.amp]
 ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
        "torch": torch.__version__}
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
@@ -110,16 +110,14 @@ def make_loader(dataset, augment, batches):
     views = MultiView([View("weak", args.crop_size, on_device=augment == "gpu"),
                        View("strong", args.crop_size, on_device=augment == "gpu")])
     cycled = Cycle(dataset, batches * args.batch_size)
-    return torch.utils.data.DataLoader(
-        PretrainDataset(cycled, views, seed=0), batch_size=args.batch_size,
-        sampler=ResumableSampler(len(cycled), args.batch_size), num_workers=args.workers,
-        pin_memory=device.type == "cuda", drop_last=True, worker_init_fn=init_pretrain_worker)
+    return pretrain_loader(cycled, views, ResumableSampler(len(cycled), args.batch_size), args.batch_size,
+                           args.workers, device, seed=0)
 
 
 def build_training():
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    model = SCE(functools.partial(losses.sce_loss), args.arch, args.small_input, [2048, 2048], 256, "affine", [],
+    model = SCE(losses.sce_loss, args.arch, args.small_input, [2048, 2048], 256, "affine", [],
                 queue, args.symmetric).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)

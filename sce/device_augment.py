@@ -158,12 +158,13 @@ def run_compiled(fn, *args, compile=True):
         COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
     try:
         return COMPILED[fn.__name__](*args)
-    except Exception as e:  # noqa: BLE001: whatever stops the compiler; eager ops work (or raise the real error)
+    except Exception as e:  # noqa: BLE001: whatever stopped the compiled call ...
+        out = fn(*args)  # ... unless eager ops fail too (out of memory, say): then that error is the real one
         compile_failed = True
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         warnings.warn(f"--augment gpu: torch.compile of the augmentation failed ({reason}); running it eagerly, "
                       "several times slower")
-        return fn(*args)
+        return out
 
 
 def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):

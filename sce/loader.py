@@ -24,8 +24,19 @@ def init_pretrain_worker(worker_id):
     """A pretraining loader worker leaves SIGTERM / SIGUSR1 to its rank (sce.preemption) and runs at
     a lower priority: where the workers fill every core, the training process, which launches the
     GPU's kernels one by one, still gets its core when it needs it."""
-    ignore_stop_signals(worker_id)
+    ignore_stop_signals()
     os.nice(WORKER_NICENESS)
+
+
+def pretrain_loader(dataset, views, sampler, batch_size, workers, device, seed):
+    """The pretraining DataLoader of main_pretrain.py (and of the benchmark, which measures it)."""
+    return torch.utils.data.DataLoader(
+        PretrainDataset(dataset, views, seed), batch_size=batch_size, sampler=sampler, num_workers=workers,
+        pin_memory=device.type == "cuda", drop_last=True, worker_init_fn=init_pretrain_worker,
+        persistent_workers=workers > 0,
+        # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
+        # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
+        generator=torch.Generator().manual_seed(seed))
 
 
 def eval_transform(train, crop_size=224, small=False):

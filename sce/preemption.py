@@ -11,7 +11,7 @@ from sce import distributed as du
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
 
 
-def ignore_stop_signals(worker_id):
+def ignore_stop_signals():
     """SLURM signals every process of the job: workers leave the saving to their rank."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)

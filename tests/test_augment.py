@@ -181,6 +181,7 @@ def test_every_image_gray_then_some_blurred_or_solarized():
     out = D.photometric(crops / 255, params)
     gray = D.grayscale(crops / 255)
     assert torch.allclose(out[2], gray[2]) and torch.allclose(out[1], D.solarize(gray[1:2])[0])
+    assert torch.allclose(out[0], D.gaussian_blur(gray[:1], torch.tensor([1.0]))[0], atol=1e-6)
     assert torch.equal(out[:, 0], out[:, 1])  # still gray
 
 
@@ -189,6 +190,9 @@ def test_views_to_device_handles_both_kinds():
     out = D.views_to_device(normalised, "cpu", torch.bfloat16, channels_last=True)
     assert out[0].dtype == torch.bfloat16 and out[0].is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(out[0].float(), normalised[0].to(torch.bfloat16).float())
+    crops, rows = strong_batch(n=4)  # and (uint8 crops, parameters) pairs, augmented
+    out = D.views_to_device([(crops, rows)], "cpu", torch.bfloat16, channels_last=True)
+    assert torch.equal(out[0], D.augment(crops, rows, "cpu", torch.bfloat16, channels_last=True))
 
 
 def effective_sigma(image):

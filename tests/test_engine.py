@@ -33,14 +33,16 @@ def snapshot(t):
     return state, buffers
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "lars"])
-def test_guard_undoes_a_nonfinite_step_exactly(optimizer):
+@pytest.mark.parametrize("optimizer,scaler", [("sgd", False), ("lars", False), ("sgd", True), ("lars", True)])
+def test_guard_undoes_a_nonfinite_step_exactly(optimizer, scaler):
+    """scaler: --amp fp16's path, where GradScaler hands its own found_inf to the fused step."""
     poison = [False]
 
     def criterion(q, k, queue):
         loss = losses.sce_loss(q, k, queue)
         return loss * float("nan") if poison[0] else loss
     t = make_training(optimizer, criterion)
+    t.scaler = torch.amp.GradScaler("cpu") if scaler else None
     for seed in range(3):  # momentum buffers, BN statistics and the EMA are all non-trivial by now
         loss, finite, _ = train_step(t, views(seed), 0.9)
         assert bool(finite) and torch.isfinite(loss)
@@ -102,6 +104,9 @@ def test_compile_keeps_checkpoint_keys():
     keys = list(t.model.state_dict())
     compile_model(t.model)  # compiles lazily: nothing runs here
     assert list(t.model.state_dict()) == keys
+    compiled = [t.model.encoder, t.model.projector, t.model.predictor, t.model.momentum_encoder,
+                t.model.momentum_projector]
+    assert all(m._compiled_call_impl is not None for m in compiled)
 
 
 def test_compile_without_a_compiler_is_one_line(monkeypatch):

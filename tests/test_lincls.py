@@ -251,3 +251,9 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
         main_lincls.main(["--data", one, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
     with pytest.raises(UserError, match="not a main_lincls.py checkpoint"):
         main_lincls.main(["--data", data, "--resume", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
+    # the head overflows after the first step; the non-finite loss is noted on the device and
+    # reported at the next progress line, before anything is saved
+    with pytest.raises(UserError, match=r"loss is (nan|inf) at epoch 1 step [2-6]: lower --lr"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--workers", "0", "--lr", "1e38",
+                          "--batch-size", "4", "--epochs", "1", "--output-dir", str(tmp_path / "diverged")])
+    assert not os.path.exists(tmp_path / "diverged" / "checkpoint_last.pth")

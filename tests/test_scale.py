@@ -109,3 +109,8 @@ def test_knn_scores_stay_fp32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # and the whole path, extraction included, runs
         top1, top5 = knn_accuracy(torch.nn.Flatten(), images, images[:12], 3, torch.device("cpu"), k=5, workers=0)
     assert 0 <= top1 <= top5 <= 100
+    from sce.knn import extract_features  # a trunk with an autocast op: its features still come out fp32
+    trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        features, _ = extract_features(trunk, torch.utils.data.DataLoader(images, batch_size=10), torch.device("cpu"))
+    assert features.dtype == torch.float32 and features.shape == (30, 16)
