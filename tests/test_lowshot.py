@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -88,9 +89,17 @@ def test_contract_command(contract_run):
     assert len([f for f in os.listdir(out) if f.startswith("features_")]) == 2
 
 
-def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc, capsys):
+def copy_feature_cache(source, folder):
+    """The contract run's cached features in a folder of the test's own (its lowshot.json stays untouched)."""
+    for name in os.listdir(source):
+        if name.startswith("features_"):
+            shutil.copy(source / name, folder / name)
+
+
+def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc, tmp_path, capsys):
     import main_lowshot
-    out, _ = contract_run
+    out = tmp_path
+    copy_feature_cache(contract_run[0], out)
     capsys.readouterr()
     main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "2", "--runs", "1", "--costs", "0.1",
                        "10", "--cost-selection", "cv", "--cv-folds", "2", "--output-dir", str(out), "--resize", "32",
@@ -186,12 +195,8 @@ def test_training_labels_of_difficult_images(monkeypatch, difficult):
 
 
 def test_difficult_ignore_reuses_features_and_is_recorded(contract_run, pretrained, voc, tmp_path, capsys):
-    import shutil
     import main_lowshot
-    out, _ = contract_run
-    for name in os.listdir(out):  # a copy of the cache: the handling must not change the features' key
-        if name.startswith("features_"):
-            shutil.copy(out / name, tmp_path / name)
+    copy_feature_cache(contract_run[0], tmp_path)  # the handling must not change the features' key
     main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "full", "--costs", "1",
                        "--difficult", "ignore", "--output-dir", str(tmp_path), "--resize", "32",
                        "--crop-size", "32", "--workers", "0"])
