@@ -38,7 +38,9 @@ def get_parser():
     p.add_argument("--knn", action="store_true", help="same as --classifier knn")
     p.add_argument("--crop-size", type=int, default=None,
                    help="input size in pixels (default: 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224)")
-    p.add_argument("-j", "--workers", type=int, default=8, help="data-loading processes per rank")
+    p.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
+                   help="data-loading processes per rank (default: the node's cores / its ranks - 1, at most 16; "
+                        f"here {cli.default_workers()})")
     p.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lincls"),
                    help="checkpoints, results_<classifier>.json, TensorBoard scalars, feature cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the head init, the shuffling and the logreg hold-out")

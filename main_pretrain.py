@@ -56,7 +56,9 @@ g.add_argument("--dataset", default="imagefolder", choices=DATASETS,
                help="format of --data (an ImageFolder uses DIR/train when present)")
 g.add_argument("--class-list", metavar="FILE",
                help="class ids of --dataset imagenet100 (default: the paper's 100 classes)")
-g.add_argument("-j", "--workers", type=int, default=8, help="data-loading processes per rank")
+g.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
+               help="data-loading processes per rank (default: the node's cores / its ranks - 1, at most 16; "
+                    f"here {cli.default_workers()})")
 g.add_argument("--augment", choices=["cpu", "gpu"],
                help="where the photometric augmentations run: in the loader workers (cpu), or batched on the "
                     "training device (gpu; the workers only decode, crop and flip) (default: gpu on CUDA, else cpu)")
@@ -238,7 +240,8 @@ def main(argv=None):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    dataset = build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list)
+    dataset = build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
+                            as_tensor=args.augment == "gpu")
     if len(dataset) < args.batch_size and not args.preview_views:
         raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
                         "lower --batch-size")

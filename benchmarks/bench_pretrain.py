@@ -49,8 +49,9 @@ parser.add_argument("--symmetric", action="store_true", help="symmetric loss (bo
 parser.add_argument("--augment", nargs="+", default=["cpu", "gpu"], choices=["cpu", "gpu"],
                     help="pipelines to measure (default: cpu gpu)")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if present)")
-parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="loader processes; 0 measures one core in this process (default: cores - 1)")
+parser.add_argument("--workers", type=int, default=cli.default_workers(),
+                    help="loader processes; 0 measures one core in this process (default: main_pretrain.py's, "
+                         f"cores - 1 up to 16, here {cli.default_workers()})")
 parser.add_argument("--steps", type=int, default=20, help="timed steps or batches per measurement (default: 20)")
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement (default: 3)")
 parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
@@ -313,16 +314,16 @@ if args.workers == 0:  # the loader's work in this process: one core, as in a wo
     torch.set_num_threads(1)
 with tempfile.TemporaryDirectory() as tmp:
     root = args.data or write_photos(tmp, args.images)
-    dataset = build_dataset("imagefolder", root, "pretrain")
+    datasets = {a: build_dataset("imagefolder", root, "pretrain", as_tensor=a == "gpu") for a in ("cpu", "gpu")}
     if not args.skip_data:
         for augment in args.augment:
-            bench_data(dataset, augment)
+            bench_data(datasets[augment], augment)
     if not args.skip_train:
         training = build_training()
         compute = bench_train_step(training)
         if not args.skip_data:
             for augment in args.augment:
-                bench_end_to_end(training, dataset, augment, compute)
+                bench_end_to_end(training, datasets[augment], augment, compute)
             if "gpu" in args.augment:
-                bench_device_pipeline(training, dataset, compute)
+                bench_device_pipeline(training, datasets["gpu"], compute)
 table()

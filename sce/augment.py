@@ -143,7 +143,7 @@ class MultiView:
         self.on_device = any(getattr(t, "on_device", False) for t in transforms)
 
     def __call__(self, img):
-        if self.on_device:  # one uint8 tensor for every view to crop from
+        if self.on_device and not torch.is_tensor(img):  # one uint8 tensor for every view to crop from
             img = F.pil_to_tensor(img)
         return [t(img) for t in self.transforms]
 

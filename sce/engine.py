@@ -39,8 +39,9 @@ def train_step(t, views, momentum):
     """One optimizer step on device views. Returns (loss, finite, terms), device tensors; terms
     (t.terms of the first (target, query) pair, or None) are computed here so benchmarks time them."""
     device = views[0].device
+    autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None)
     stats = torch.cat([s.flatten() for s in t.bn_stats]) if t.guard and t.bn_stats else None
-    with torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None):
+    with autocast:
         loss, outputs = t.ddp_model(views)
     t.optimizer.zero_grad(set_to_none=True)
     if t.scaler:
@@ -59,7 +60,9 @@ def train_step(t, views, momentum):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    return loss.detach(), finite, t.terms(*outputs) if t.terms else None
+    with autocast:  # the similarities of the logged terms in the loss's precision, not in fp32
+        terms = t.terms(*outputs) if t.terms else None
+    return loss.detach(), finite, terms
 
 
 def grads_finite(optimizer):

@@ -9,10 +9,12 @@ from sce import UserError, checkpoint
 from sce import distributed as du
 from sce.optim import load_optimizer_state
 
-# settings a resumed run must share with its checkpoint
+# settings a resumed run must share with its checkpoint: the model's shape, the objective, and what the
+# optimizer's saved state would silently override (weight decay, momentum); --lr and --epochs may change
 RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn", "optimizer",
-                     "pred_hidden_dims", "queue_size", "symmetric", "lambda_", "lambda_schedule", "lambda_end",
-                     "lambda_warmup_steps", "lambda_warmup_start"]
+                     "pred_hidden_dims", "queue_size", "symmetric", "method", "tau", "tau_m", "mask_positive",
+                     "loss_coeffs", "lambda_", "lambda_schedule", "lambda_end", "lambda_warmup_steps",
+                     "lambda_warmup_start", "weight_decay", "sgd_momentum", "wd_exclude_bias_norm"]
 
 
 def find_resume(args):

@@ -60,6 +60,25 @@ def test_guard_undoes_a_nonfinite_step_exactly(optimizer, scaler):
     assert not torch.equal(before["encoder.conv1.weight"], t.model.state_dict()["encoder.conv1.weight"])
 
 
+def test_step_terms_are_those_of_its_pair_in_the_loss_precision():
+    seen = []
+
+    def terms(q, k, queue):
+        seen.append((q, k, queue, torch.is_autocast_enabled("cpu")))
+        return losses.loss_terms(q, k, queue)
+    for amp in (None, torch.bfloat16):
+        t = make_training()
+        t.amp_dtype, t.terms = amp, terms
+        queue = t.model.queue.clone()
+        loss, _, logged = train_step(t, views(0), 0.9)
+        q, k, queue_seen, autocast = seen.pop()
+        assert autocast == (amp is not None) and torch.equal(queue_seen, queue)  # the queue before the keys
+        if amp is None:  # one pair: the loss is eq. 9, whose terms are those of its own q, k
+            expected = losses.loss_terms(q, k, queue)
+            assert all(torch.equal(logged[n], expected[n]) for n in expected)
+            assert loss.item() == pytest.approx(losses.sce_loss(q, k, queue).item(), rel=1e-6)
+
+
 def test_first_step_skipped_leaves_zero_momentum():
     # fused SGD leaves uninitialised buffers when its first step is skipped: ours start at zero
     t = make_training("sgd", lambda q, k, queue: (q * k).sum() * float("inf"))

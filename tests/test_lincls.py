@@ -251,6 +251,19 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
         main_lincls.main(["--data", one, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
     with pytest.raises(UserError, match="not a main_lincls.py checkpoint"):
         main_lincls.main(["--data", data, "--resume", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
+    with pytest.raises(UserError, match="--evaluate needs a trained head"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--evaluate", "--workers", "0",
+                          "--output-dir", str(tmp_path)])
+    odd = write_imagefolder(tmp_path / "odd", 3, 2, 16)
+    os.rename(os.path.join(odd, "val", "class_2"), os.path.join(odd, "val", "class_9"))
+    with pytest.raises(UserError, match="different classes .first difference: class_2.: both need the same"):
+        main_lincls.main(["--data", odd, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
+    with pytest.raises(UserError, match="--metric map11 does not fit --dataset imagefolder"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--metric", "map11",
+                          "--workers", "0", "--output-dir", str(tmp_path)])
+    with pytest.raises(UserError, match="voc07 is multi-label: use --classifier logreg"):
+        main_lincls.main(["--data", data, "--dataset", "voc07", "--pretrained", pretrained, "--workers", "0",
+                          "--output-dir", str(tmp_path)])
     # the head overflows after the first step; the non-finite loss is noted on the device and
     # reported at the next progress line, before anything is saved
     with pytest.raises(UserError, match=r"loss is (nan|inf) at epoch 1 step [2-6]: lower --lr"):

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
+import torchvision.transforms.functional as TF
 from PIL import Image
+from torchvision.io import decode_jpeg
 
 from conftest import write_imagefolder
 from sce import UserError
 from sce.augment import MultiView, View
+import sce.loader
 from sce.loader import (WORKER_NICENESS, PretrainDataset, ResumableSampler, build_dataset, init_pretrain_worker,
-                        load_rgb, sample_seed)
+                        load_rgb, load_rgb_tensor, sample_seed)
 
 
 def test_views_are_a_function_of_seed_epoch_index(imagefolder):
@@ -138,6 +141,32 @@ def test_image_modes_become_rgb(tmp_path):
         img = load_rgb(str(tmp_path / name))
         assert img.mode == "RGB" and img.size == (8, 8), name
     assert np.asarray(load_rgb(str(tmp_path / "deep.png"))).min() == 255  # 16-bit white stays white
+
+
+def test_tensor_loader_reads_every_mode_as_pil_does(tmp_path, monkeypatch):
+    # --augment gpu decodes colour and gray JPEGs with torchvision; every file must give load_rgb's pixels
+    from sklearn.datasets import load_sample_images
+    photo = Image.fromarray(load_sample_images().images[0][100:160, 200:280])  # real content, 80x60
+    files = {"420.jpg": (photo, {}), "444.jpg": (photo, dict(subsampling=0)),
+             "progressive.jpg": (photo, dict(progressive=True)), "gray.jpg": (photo.convert("L"), {}),
+             "cmyk.jpg": (photo.convert("CMYK"), {}), "palette.png": (photo.convert("P"), {}),
+             "rgba.png": (photo.convert("RGBA"), {}), "deep.png": (Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257), {})}
+    for name, (img, options) in files.items():
+        img.save(tmp_path / name, **options)
+    decoded = []
+    monkeypatch.setattr(sce.loader, "decode_jpeg", lambda *a, **k: decoded.append(1) or decode_jpeg(*a, **k))
+    for name in files:
+        before = len(decoded)
+        tensor = load_rgb_tensor(str(tmp_path / name))
+        assert tensor.dtype == torch.uint8 and torch.equal(tensor, TF.pil_to_tensor(load_rgb(str(tmp_path / name)))), name
+        assert len(decoded) - before == (name in ("420.jpg", "444.jpg", "progressive.jpg", "gray.jpg")), name
+    data = (tmp_path / "420.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[:len(data) // 2])
+    with pytest.raises(OSError, match="truncated"):  # PIL's own error, as load_rgb raises it
+        load_rgb_tensor(str(tmp_path / "cut.jpg"))
+    (tmp_path / "text.jpg").write_text("not an image")
+    with pytest.raises(OSError):
+        load_rgb_tensor(str(tmp_path / "text.jpg"))
 
 
 def test_missing_and_empty_data(tmp_path):
