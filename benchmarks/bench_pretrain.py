@@ -52,6 +52,9 @@ parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else
 parser.add_argument("--workers", type=int, default=cli.default_workers(),
                     help="loader processes; 0 measures one core in this process (default: main_pretrain.py's, "
                          f"cores - 1 up to 16, here {cli.default_workers()})")
+parser.add_argument("--e2e-workers", type=int, nargs="*", default=[], metavar="N",
+                    help="end to end with --augment gpu again with N loader processes each: does the loader compete "
+                         "with the training process for the cores?")
 parser.add_argument("--steps", type=int, default=20, help="timed steps or batches per measurement (default: 20)")
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement (default: 3)")
 parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
@@ -306,7 +309,8 @@ def table():
                   f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only |")
         else:
             syncs = "" if r["host_syncs_per_step"] is None else f", {r['host_syncs_per_step']} host syncs/step"
-            print(f"| end_to_end | {r['augment']} | {r['images_per_s']} | data wait {100 * r['data_wait_share']:.1f}%, "
+            print(f"| end_to_end | {r['augment']} | {r['images_per_s']} | workers {r['workers']}, "
+                  f"data wait {100 * r['data_wait_share']:.1f}%, "
                   f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only{syncs} |")
 
 
@@ -324,6 +328,9 @@ with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_data:
             for augment in args.augment:
                 bench_end_to_end(training, datasets[augment], augment, compute)
+            for workers in args.e2e_workers:
+                args.workers = workers
+                bench_end_to_end(training, datasets["gpu"], "gpu", compute)
             if "gpu" in args.augment:
                 bench_device_pipeline(training, datasets["gpu"], compute)
 table()

@@ -137,7 +137,7 @@ def test_compile_without_a_compiler_is_one_line(monkeypatch):
 def test_benchmark_reports_every_measurement(tmp_path):
     cmd = [sys.executable, "benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
            "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8", "--images", "8",
-           "--steps", "2", "--warmup", "1"]
+           "--steps", "2", "--warmup", "1", "--e2e-workers", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -149,9 +149,9 @@ def test_benchmark_reports_every_measurement(tmp_path):
     assert len(step) == 1 and step[0]["images_per_s"] > 0 and step[0]["step_ms_without_guard"] > 0
     assert step[0]["host_step_ms"] > 0
     assert -1 < step[0]["guard_share"] < 1  # the difference of two timings: noise can make it negative
-    ends = {r["augment"]: r for r in lines if r["what"] == "end_to_end"}
-    assert set(ends) == {"cpu", "gpu"}
+    ends = {(r["augment"], r["workers"]): r for r in lines if r["what"] == "end_to_end"}
+    assert set(ends) == {("cpu", 0), ("gpu", 0), ("gpu", 1)}  # --e2e-workers 1: gpu again with a worker process
     assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in ends.values())
-    assert "| end_to_end | gpu |" in proc.stdout
+    assert "| end_to_end | gpu | " in proc.stdout and "workers 1, data wait" in proc.stdout
     (cached,) = [r for r in lines if r["what"] == "device_pipeline"]
     assert cached["images_per_s"] > 0 and cached["of_compute_only"] > 0
