@@ -110,12 +110,12 @@ class Cycle(torch.utils.data.Dataset):
         return self.dataset[i % len(self.dataset)]
 
 
-def make_loader(dataset, augment, batches):
+def make_loader(dataset, augment, batches, workers=None):
     views = MultiView([View("weak", args.crop_size, on_device=augment == "gpu"),
                        View("strong", args.crop_size, on_device=augment == "gpu")])
     cycled = Cycle(dataset, batches * args.batch_size)
     return pretrain_loader(cycled, views, ResumableSampler(len(cycled), args.batch_size), args.batch_size,
-                           args.workers, device, seed=0)
+                           args.workers if workers is None else workers, device, seed=0)
 
 
 def build_training():
@@ -236,12 +236,14 @@ def run_pipeline(training, source):
     return args.steps * args.batch_size / seconds, batches.wait_s / seconds, batches_iter
 
 
-def bench_end_to_end(training, dataset, augment, compute_images_per_s):
-    """The loader, DeviceViews, then train_step."""
-    loader = make_loader(dataset, augment, args.warmup + args.steps + 4)
+def bench_end_to_end(training, dataset, augment, compute_images_per_s, workers=None, profile=True):
+    """The loader (workers: default --workers), DeviceViews, then train_step; profiled under --profile
+    unless profile=False."""
+    workers = args.workers if workers is None else workers
+    loader = make_loader(dataset, augment, args.warmup + args.steps + 4, workers)
     images_per_s, wait, batches_iter = run_pipeline(training, loader)
     syncs, sites = count_host_syncs(training, batches_iter) if device.type == "cuda" else (None, None)
-    if args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
+    if profile and args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
         with torch.profiler.profile() as prof:
             for _ in range(2):
                 views, _, _ = next(batches_iter)
@@ -249,7 +251,7 @@ def bench_end_to_end(training, dataset, augment, compute_images_per_s):
             sync()
         print(f"end to end, augment {augment}, two steps:", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
-    report(what="end_to_end", augment=augment, workers=args.workers, **SETTING,
+    report(what="end_to_end", augment=augment, workers=workers, **SETTING,
            images_per_s=round(images_per_s, 1), data_wait_share=round(wait, 3),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None,
            host_syncs_per_step=syncs, host_sync_sites=sites)
@@ -329,8 +331,7 @@ with tempfile.TemporaryDirectory() as tmp:
             for augment in args.augment:
                 bench_end_to_end(training, datasets[augment], augment, compute)
             for workers in args.e2e_workers:
-                args.workers = workers
-                bench_end_to_end(training, datasets["gpu"], "gpu", compute)
+                bench_end_to_end(training, datasets["gpu"], "gpu", compute, workers, profile=False)
             if "gpu" in args.augment:
                 bench_device_pipeline(training, datasets["gpu"], compute)
 table()

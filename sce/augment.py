@@ -145,6 +145,8 @@ class MultiView:
     def __call__(self, img):
         if self.on_device and not torch.is_tensor(img):  # one uint8 tensor for every view to crop from
             img = F.pil_to_tensor(img)
+        elif torch.is_tensor(img) and not self.on_device:
+            raise TypeError("--augment cpu views take PIL images: build the dataset without as_tensor")
         return [t(img) for t in self.transforms]
 
 

@@ -63,7 +63,7 @@ def add_trunk_args(parser, required=True):
 def default_workers(most=16):
     """Loader processes per rank: this node's cores (those this process may run on) shared among its
     ranks (torchrun's LOCAL_WORLD_SIZE), minus one core for the rank itself; at most `most`, which
-    feed a ResNet-50 on one H100 while bounding the shared memory of prefetched batches."""
+    bounds the shared memory of prefetched batches. (A container's CPU quota is not seen here.)"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(most, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 

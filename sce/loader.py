@@ -2,6 +2,7 @@
 (the pretraining views are in sce.augment)."""
 import io
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -13,6 +14,8 @@ from torchvision.datasets import CIFAR10, CIFAR100, STL10, ImageFolder
 
 try:  # libjpeg-turbo to a tensor; torchvision 0.29 deprecates it for TorchCodec: PIL decodes once it is gone
     from torchvision.io import ImageReadMode, decode_jpeg
+    warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision are deprecated",
+                            DeprecationWarning)  # once per image otherwise, an error under -W error
 except ImportError:
     decode_jpeg = None
 
@@ -80,7 +83,9 @@ def to_rgb(img):
 def load_rgb_tensor(path):
     """load_rgb as a uint8 tensor (3, H, W), for the loader of --augment gpu. A colour or gray JPEG
     (most photo datasets) decodes straight into the tensor with torchvision's libjpeg-turbo: the
-    same pixels as PIL's (tested), for ~25% less CPU than PIL's decoding and conversion."""
+    same pixels as PIL's with the wheels of requirements.txt (tested), for ~8% less loader work per
+    image (benchmarks/bench_pretrain.py). Unlike PIL, libjpeg prints its warnings about damaged
+    data ("Corrupt JPEG data: ...") on stderr, at each read of such a file."""
     with open(path, "rb") as f:
         data = f.read()
     img = Image.open(io.BytesIO(data))  # parses the header only

@@ -9,8 +9,9 @@ from sce import UserError, checkpoint
 from sce import distributed as du
 from sce.optim import load_optimizer_state
 
-# settings a resumed run must share with its checkpoint: the model's shape, the objective, and what the
-# optimizer's saved state would silently override (weight decay, momentum); --lr and --epochs may change
+# settings a resumed run must share with its checkpoint: the model's shape, the objective's settings, and
+# what the optimizer's saved state would silently override (weight decay, momentum); every other setting
+# (--lr, --epochs, the EMA, the views, logging) comes from the new command line
 RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn", "optimizer",
                      "pred_hidden_dims", "queue_size", "symmetric", "method", "tau", "tau_m", "mask_positive",
                      "loss_coeffs", "lambda_", "lambda_schedule", "lambda_end", "lambda_warmup_steps",
@@ -63,6 +64,22 @@ def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step)
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
 
+def effective(settings, key):
+    """A saved or parsed setting as the run applies it (--wd-exclude-bias-norm unset: on under LARS only)."""
+    if key == "wd_exclude_bias_norm" and settings.get(key) is None:
+        return settings.get("optimizer") == "lars"
+    return settings.get(key)
+
+
+def as_typed(value):
+    """A setting as it is typed on the command line."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    if value is None or isinstance(value, bool):
+        return {None: "(not set)", True: "(on)", False: "(off)"}[value]
+    return value
+
+
 def resume(args, model, optimizer, scaler, rank):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from."""
     path = find_resume(args)
@@ -71,11 +88,12 @@ def resume(args, model, optimizer, scaler, rank):
     ckpt = checkpoint.load(path)
     if ckpt.get("kind") != "pretrain":
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
-    saved = ckpt["args"]
+    saved, now = ckpt["args"], vars(args)
     for key in RESUME_MUST_MATCH:
-        if key in saved and saved[key] != getattr(args, key):  # keys newer than the checkpoint are skipped
-            raise UserError(f"{path} was trained with --{key.replace('_', '-')} {saved.get(key)}, "
-                            f"not {getattr(args, key)}: pass the same value or another --output-dir")
+        if key in saved and effective(saved, key) != effective(now, key):  # keys newer than the checkpoint: skipped
+            flag = "--" + key.rstrip("_").replace("_", "-")
+            raise UserError(f"{path} was trained with {flag} {as_typed(effective(saved, key))}, not "
+                            f"{as_typed(effective(now, key))}: pass the same value or another --output-dir")
     if ckpt.get("step_in_epoch") and saved.get("batch_size") != args.batch_size:
         raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
                         f"same batch (not {args.batch_size}), or from an epoch-end checkpoint")

@@ -8,7 +8,6 @@ import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 from PIL import Image
-from torchvision.io import decode_jpeg
 
 from conftest import write_imagefolder
 from sce import UserError
@@ -147,18 +146,22 @@ def test_tensor_loader_reads_every_mode_as_pil_does(tmp_path, monkeypatch):
     # --augment gpu decodes colour and gray JPEGs with torchvision; every file must give load_rgb's pixels
     from sklearn.datasets import load_sample_images
     photo = Image.fromarray(load_sample_images().images[0][100:160, 200:280])  # real content, 80x60
+    deep = Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257)  # 16-bit
     files = {"420.jpg": (photo, {}), "444.jpg": (photo, dict(subsampling=0)),
              "progressive.jpg": (photo, dict(progressive=True)), "gray.jpg": (photo.convert("L"), {}),
              "cmyk.jpg": (photo.convert("CMYK"), {}), "palette.png": (photo.convert("P"), {}),
-             "rgba.png": (photo.convert("RGBA"), {}), "deep.png": (Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257), {})}
+             "rgba.png": (photo.convert("RGBA"), {}), "deep.png": (deep, {})}
     for name, (img, options) in files.items():
         img.save(tmp_path / name, **options)
-    decoded = []
+    decoded, decode_jpeg = [], sce.loader.decode_jpeg
+    if decode_jpeg is None:
+        pytest.skip("this torchvision has no JPEG decoder: load_rgb_tensor reads with PIL")
     monkeypatch.setattr(sce.loader, "decode_jpeg", lambda *a, **k: decoded.append(1) or decode_jpeg(*a, **k))
     for name in files:
         before = len(decoded)
         tensor = load_rgb_tensor(str(tmp_path / name))
-        assert tensor.dtype == torch.uint8 and torch.equal(tensor, TF.pil_to_tensor(load_rgb(str(tmp_path / name)))), name
+        expected = TF.pil_to_tensor(load_rgb(str(tmp_path / name)))
+        assert tensor.dtype == torch.uint8 and torch.equal(tensor, expected), name
         assert len(decoded) - before == (name in ("420.jpg", "444.jpg", "progressive.jpg", "gray.jpg")), name
     data = (tmp_path / "420.jpg").read_bytes()
     (tmp_path / "cut.jpg").write_bytes(data[:len(data) // 2])
@@ -167,6 +170,8 @@ def test_tensor_loader_reads_every_mode_as_pil_does(tmp_path, monkeypatch):
     (tmp_path / "text.jpg").write_text("not an image")
     with pytest.raises(OSError):
         load_rgb_tensor(str(tmp_path / "text.jpg"))
+    with pytest.raises(TypeError, match="--augment cpu views take PIL images"):  # the tensors are for device views
+        MultiView([View("weak", 16)])(load_rgb_tensor(str(tmp_path / "420.jpg")))
 
 
 def test_missing_and_empty_data(tmp_path):

@@ -207,6 +207,11 @@ def test_bad_files(data, tmp_path):
                "--weight-decay 0.0001, not 0.001")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--method", "moco"], "--method sce")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--tau-m", "0.05"], "--tau-m 0.07")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd-exclude-bias-norm"],
+               "--wd-exclude-bias-norm \\(off\\), not \\(on\\)")
+    # spelling out what the run applied (SGD: no exclusion) is the same setting
+    run_script(["main_pretrain.py", "--data", data, "--output-dir", str(tmp_path / "r18")] + base
+               + ["--no-wd-exclude-bias-norm"])
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18"), "--resume", "none"] + base, "would overwrite")
 
 
