@@ -186,16 +186,9 @@ def validate(model, val_loader, device, amp):
     return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
 
 
-def run_linear(args, model, feat_dim, ckpt, source, device):
-    rank, world = du.rank(), du.world_size()
-    if args.batch_size % world:
-        raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
-    small = args.small_input
-    train_ds = build_dataset(args.dataset, args.data, "train", eval_transform(True, args.crop_size, small))
-    val_ds = build_dataset(args.dataset, args.data, "val", eval_transform(False, args.crop_size, small))
-    num_classes = num_classes_of(train_ds, val_ds, args)
-
-    # a torchvision ResNet again: the trunk plus a linear fc, N(0, 0.01) weights and zero bias
+def attach_head(model, feat_dim, num_classes, ckpt, source, args, device):
+    """A torchvision ResNet again: the frozen trunk plus a linear fc, N(0, 0.01) weights and zero bias,
+    or the trained head of a main_lincls.py checkpoint (--resume, --evaluate)."""
     model.fc = nn.Linear(feat_dim, num_classes).to(device)
     nn.init.normal_(model.fc.weight, 0.0, 0.01)
     nn.init.zeros_(model.fc.bias)
@@ -212,6 +205,46 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
                         f"{ckpt.get('kind')!r}): pass it as --pretrained")
     elif args.evaluate:
         raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --resume or --pretrained")
+
+
+def train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, progress, device):
+    """One epoch of the head; returns the mean training loss over every rank's images."""
+    steps, world = len(train_loader), du.world_size()
+    loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0  # this rank's, for the epoch mean
+    first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
+    for i, (images, target) in enumerate(train_loader):
+        if args.schedule == "cosine":
+            set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr, args.warmup_epochs * steps))
+        images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        with cli.autocast(device, args.amp):
+            loss = F.cross_entropy(ddp(images).float(), target)
+        # noted on the device, checked at the progress lines: no host sync per step
+        bad_now = torch.stack([torch.full_like(loss, i), loss.detach()])
+        first_bad = torch.where((first_bad[0] < 0) & ~torch.isfinite(loss), bad_now, first_bad)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        loss_sum += loss.detach().double() * len(images)
+        seen += len(images)
+        progress.update(len(images) * world)
+        if (i + 1) % args.print_freq == 0 or i + 1 == steps:
+            check_finite(first_bad, epoch)
+            if du.is_main():
+                print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
+                      f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
+    totals = du.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(seen))]))
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def run_linear(args, model, feat_dim, ckpt, source, device):
+    rank, world = du.rank(), du.world_size()
+    if args.batch_size % world:
+        raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
+    small = args.small_input
+    train_ds = build_dataset(args.dataset, args.data, "train", eval_transform(True, args.crop_size, small))
+    val_ds = build_dataset(args.dataset, args.data, "val", eval_transform(False, args.crop_size, small))
+    attach_head(model, feat_dim, num_classes_of(train_ds, val_ds, args), ckpt, source, args, device)
     model.eval()  # BN of the trunk keeps its statistics: only fc learns
     reference = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
 
@@ -244,7 +277,6 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
             print(f"=> resumed from {source} at epoch {start_epoch} (best Acc@1 {best_acc1:.2f})", flush=True)
 
     writer = cli.summary_writer(args.output_dir) if du.is_main() else None
-    steps = len(train_loader)
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = cli.Progress((args.epochs - start_epoch) * len(sampler) * world)
     acc1 = acc5 = None
@@ -252,34 +284,9 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
         sampler.set_epoch(epoch)
         if args.schedule == "step":
             set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
-        loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0  # this rank's, for the epoch mean
-        first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
-        for i, (images, target) in enumerate(train_loader):
-            if args.schedule == "cosine":
-                set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr,
-                                            args.warmup_epochs * steps))
-            images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
-            with cli.autocast(device, args.amp):
-                loss = F.cross_entropy(ddp(images).float(), target)
-            # noted on the device, checked at the progress lines: no host sync per step
-            bad_now = torch.stack([torch.full_like(loss, i), loss.detach()])
-            first_bad = torch.where((first_bad[0] < 0) & ~torch.isfinite(loss), bad_now, first_bad)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            loss_sum += loss.detach().double() * len(images)
-            seen += len(images)
-            progress.update(len(images) * world)
-            if (i + 1) % args.print_freq == 0 or i + 1 == steps:
-                check_finite(first_bad, epoch)
-                if du.is_main():
-                    print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
-                          f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
+        train_loss = train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, progress, device)
         if epoch == start_epoch:
             check_frozen(model, reference)
-        totals = du.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(seen))]))
-        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
         acc1, acc5, val_loss = validate(model, val_loader, device, args.amp)
         is_best = acc1 > best_acc1
         best_acc1 = max(acc1, best_acc1)

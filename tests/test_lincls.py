@@ -47,6 +47,13 @@ def contract_run(pretrained, data, tmp_path_factory):
     return out, proc
 
 
+def test_step_schedule_decays_at_the_milestones(pretrained, data, tmp_path, capsys):
+    out = lincls_here(capsys, "--data", data, "--pretrained", pretrained, "--crop-size", "16", "--epochs", "3",
+                      "--batch-size", "12", "--lr", "2", "--milestones", "1", "2", "--output-dir", tmp_path)
+    lrs = [float(lr) for lr in re.findall(r"Epoch \[\d/3\]\[2/2\] loss \S+ lr (\S+)", out)]
+    assert lrs == pytest.approx([2, 0.2, 0.02])  # x0.1 from epoch 1, again from epoch 2
+
+
 def test_contract_command_trains_only_the_head(contract_run, pretrained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out, proc = contract_run

@@ -209,6 +209,11 @@ def test_bad_files(data, tmp_path):
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--tau-m", "0.05"], "--tau-m 0.07")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd-exclude-bias-norm"],
                "--wd-exclude-bias-norm \\(off\\), not \\(on\\)")
+    mid = load(tmp_path / "r18" / "checkpoint_last.pth")
+    mid["step_in_epoch"] = 1  # as a preempted run leaves it
+    torch.save(mid, tmp_path / "mid.pth")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "m"), "--resume", str(tmp_path / "mid.pth")]
+               + base + ["--batch-size", "4", "--queue-size", "32"], "stopped mid-epoch with --batch-size 8")
     # spelling out what the run applied (SGD: no exclusion) is the same setting
     run_script(["main_pretrain.py", "--data", data, "--output-dir", str(tmp_path / "r18")] + base
                + ["--no-wd-exclude-bias-norm"])

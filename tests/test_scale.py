@@ -114,3 +114,22 @@ def test_knn_scores_stay_fp32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         features, _ = extract_features(trunk, torch.utils.data.DataLoader(images, batch_size=10), torch.device("cpu"))
     assert features.dtype == torch.float32 and features.shape == (30, 16)
+
+
+def test_knn_max_train_takes_a_seeded_subset_as_the_bank():
+    import torch
+    from sce.knn import knn_accuracy
+    g = torch.Generator().manual_seed(0)
+    images = [(torch.randn(3, 4, 4, generator=g), i % 3) for i in range(30)]
+    seen = []
+
+    class Counting(torch.nn.Flatten):
+        def forward(self, x):
+            seen.append(len(x))
+            return super().forward(x)
+    # k=1 on val = train: a full bank finds each image itself; a bank of 5 misses most of them
+    assert knn_accuracy(Counting(), images, images, 3, torch.device("cpu"), k=1, workers=0)[0] == 100
+    seen.clear()
+    subset = [knn_accuracy(Counting(), images, images, 3, torch.device("cpu"), k=1, workers=0, max_train=5, seed=s)
+              for s in (1, 1, 2)]
+    assert sum(seen) == 3 * (5 + 30) and subset[0] == subset[1] and subset[0][0] < 100
