@@ -403,6 +403,8 @@ class Run:
         return self.sampler.steps * self.args.epochs
 
 
+PREEMPTION_CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
+
 # the loss and the three terms of eq. 10 (of the first (target, query) pair), averaged over finite steps
 TERMS = ["loss", "infonce", "ressl", "ceil"]
 
@@ -451,7 +453,9 @@ def train_one_epoch(run, epoch, start_step):
                 log_progress(run, epoch, i, step, stats, elapsed / window_steps)
             window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
-        if run.preemption.requested() and i + 1 < run.steps_per_epoch:
+        # a stop request is agreed through a gloo all_reduce over the ranks: at most every 10 steps, not every one
+        if (i + 1) % min(args.print_freq, PREEMPTION_CHECK_STEPS) == 0 and run.preemption.requested() \
+                and i + 1 < run.steps_per_epoch:
             return i + 1
     steps = run.steps_per_epoch - start_step
     means = (epoch_sums[1:] / epoch_sums[0].clamp(min=1)).tolist()

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) make every rank finish its step, save and exit 75."""
+"""Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) make every rank stop at the next check (every 10
+steps at most), save and exit 75."""
 import datetime
 import signal
 import sys
@@ -18,11 +19,11 @@ def ignore_stop_signals():
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of its step and exit."""
+    """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of a step and exit."""
 
     def __init__(self, world_size, timeout_s):
         self.flag = torch.zeros(1)
-        # a CPU (gloo) group agrees on the flag each step without syncing the GPU stream; new_group
+        # a CPU (gloo) group agrees on the flag without syncing the GPU stream; new_group
         # does not inherit --dist-timeout (it defaults to 30 min), so a hung peer would hang us here
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
             if world_size > 1 else None

@@ -231,6 +231,17 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     assert_same_state(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
 
 
+def test_stop_requests_are_checked_every_print_freq_steps(small, tmp_path, monkeypatch):
+    # --print-freq 2 with 2 steps an epoch: no check after step 1 of the epoch, so the run saves at its end
+    with monkeypatch.context() as m:
+        m.setattr(main_pretrain, "build_criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
+        with pytest.raises(SystemExit) as stop:
+            pretrain(small, tmp_path / "run", "--epochs", 3, "--print-freq", 2)
+    assert stop.value.code == main_pretrain.PREEMPTED_EXIT_CODE
+    ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (2, 0, 4)
+
+
 # ---------------------------------------------------------------- 2. crash safety
 
 def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
