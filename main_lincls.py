@@ -91,6 +91,8 @@ def main(argv=None):
     args.batch_size = args.batch_size or (1024 if cosine else 256)
     args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
     args.crop_size = args.crop_size or NATIVE_CROP.get(args.dataset, 224)
+    if args.print_freq <= 0:
+        raise UserError(f"--print-freq must be a positive number of steps (got {args.print_freq})")
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
     if args.resume == "auto":

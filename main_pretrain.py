@@ -187,8 +187,8 @@ def check_args(args):
         raise UserError(f"--lambda must lie in [0, 1] (got {args.lambda_})")
     if len(args.local_crop_scales) != 2 * len(args.local_crop_sizes):
         raise UserError("--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry")
-    if args.batch_size <= 0 or args.epochs <= 0 or args.queue_size <= 0:
-        raise UserError("--batch-size, --epochs and --queue-size must be positive")
+    if min(args.batch_size, args.epochs, args.queue_size, args.print_freq) <= 0:
+        raise UserError("--batch-size, --epochs, --queue-size and --print-freq must be positive")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0 (got {args.seed})")
     if args.knn_max_train is not None and args.knn_max_train <= 0:

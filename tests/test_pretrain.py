@@ -175,6 +175,7 @@ def test_bad_input_is_one_line(data, tmp_path):
     (["--lambda-schedule", "cosine", "--method", "moco"], "need the SCE loss"),
     (["--crop-size", "6"], "too small to blur"),
     (["--seed", "-1"], "--seed must be >= 0"),
+    (["--print-freq", "0"], "--print-freq must be positive"),
     (["--knn-max-train", "0"], "--knn-max-train must be a positive number"),
 ])
 def test_bad_flags(data, tmp_path, extra, match):
