@@ -91,8 +91,12 @@ def main(argv=None):
     args.batch_size = args.batch_size or (1024 if cosine else 256)
     args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
     args.crop_size = args.crop_size or NATIVE_CROP.get(args.dataset, 224)
-    if args.print_freq <= 0:
-        raise UserError(f"--print-freq must be a positive number of steps (got {args.print_freq})")
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--crop-size": args.crop_size,
+                "--print-freq": args.print_freq, "--knn-k": args.knn_k, "--knn-t": args.knn_t,
+                "--logreg-c": 1 if args.logreg_c is None else args.logreg_c, "--logreg-max-iter": args.logreg_max_iter}
+    at_least_zero = {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
+                     "--warmup-epochs": args.warmup_epochs, "--seed": args.seed, "--sgd-momentum": args.sgd_momentum}
+    cli.check_ranges(positive, at_least_zero)
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
     if args.resume == "auto":

@@ -69,7 +69,8 @@ def get_parser():
     g.add_argument("--resize", type=int, default=256, help="resize of the short side, in pixels")
     g.add_argument("--crop-size", type=int, default=224, help="centre crop, in pixels")
     g.add_argument("-b", "--batch-size", type=int, default=128, help="images per forward pass")
-    g.add_argument("-j", "--workers", type=int, default=8, help="data-loading processes")
+    g.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
+                   help=f"data-loading processes (default: the cores - 1, at most 16; here {cli.default_workers()})")
     cli.add_amp_arg(g)
     g.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lowshot"),
                    help="feature cache and lowshot.json")
@@ -78,6 +79,11 @@ def get_parser():
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
+    cli.check_ranges({"--runs": args.runs, "--costs": min(args.costs), "--resize": args.resize,
+                      "--crop-size": args.crop_size, "--batch-size": args.batch_size},
+                     {"--workers": args.workers, "--seed": args.seed})
+    if args.cost_selection == "cv" and args.cv_folds < 2:
+        raise UserError(f"--cv-folds must be at least 2 (got {args.cv_folds})")
     if args.cost_selection == "cv" and any(k != "full" and k < 2 for k in args.shots):
         raise UserError("--cost-selection cv cross-validates on the training draw and needs --shots >= 2 "
                         "(or 'full')")

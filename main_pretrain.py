@@ -187,10 +187,23 @@ def check_args(args):
         raise UserError(f"--lambda must lie in [0, 1] (got {args.lambda_})")
     if len(args.local_crop_scales) != 2 * len(args.local_crop_sizes):
         raise UserError("--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry")
-    if min(args.batch_size, args.epochs, args.queue_size, args.print_freq) <= 0:
-        raise UserError("--batch-size, --epochs, --queue-size and --print-freq must be positive")
-    if args.seed < 0:
-        raise UserError(f"--seed must be >= 0 (got {args.seed})")
+    positive = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--queue-size": args.queue_size,
+                "--print-freq": args.print_freq, "--save-freq": args.save_freq, "--proj-dim": args.proj_dim,
+                "--proj-hidden-dims": min(args.proj_hidden_dims, default=1),
+                "--pred-hidden-dims": min(args.pred_hidden_dims, default=1), "--knn-k": args.knn_k,
+                "--knn-t": args.knn_t, "--dist-timeout": args.dist_timeout}
+    at_least_zero = {"--seed": args.seed, "--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
+                     "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
+                     "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,
+                     "--knn-every": args.knn_every}
+    cli.check_ranges(positive, at_least_zero)
+    for flag, value in {"--ema-momentum": args.ema_momentum, "--sgd-momentum": args.sgd_momentum}.items():
+        if not 0 <= value <= 1:
+            raise UserError(f"{flag} must lie in [0, 1] (got {value})")
+    scales = [(args.min_scale, 1.0)] + list(zip(args.local_crop_scales[::2], args.local_crop_scales[1::2]))
+    if not all(0 < low <= high <= 1 for low, high in scales):
+        raise UserError(f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) "
+                        f"need 0 < min <= max <= 1 (got {scales})")
     if args.knn_max_train is not None and args.knn_max_train <= 0:
         raise UserError(f"--knn-max-train must be a positive number of images (got {args.knn_max_train}): "
                         "omit it to use the whole train split")

@@ -68,6 +68,16 @@ def default_workers(most=16):
     return max(1, min(most, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 
 
+def check_ranges(positive=(), at_least_zero=()):
+    """A one-line error for the first flag out of its range; each argument: {flag: value}."""
+    for flag, value in dict(positive).items():
+        if value <= 0:
+            raise UserError(f"{flag} must be positive (got {value})")
+    for flag, value in dict(at_least_zero).items():
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0 (got {value})")
+
+
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

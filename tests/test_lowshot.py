@@ -216,6 +216,10 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
         main_lowshot.main(["--data", root, "--pretrained", pretrained, "--output-dir", str(tmp_path)])
     with pytest.raises(UserError, match="needs --shots >= 2"):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "1", "--cost-selection", "cv"])
+    with pytest.raises(UserError, match="--costs must be positive .got -1.0."):
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--costs", "1", "-1"])
+    with pytest.raises(UserError, match="--cv-folds must be at least 2"):
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--cost-selection", "cv", "--cv-folds", "1"])
     help_text = main_lowshot.get_parser().format_help()
     assert "optimistic" in help_text and "--cost-selection" in help_text
     assert "--difficult {negative,ignore}" in help_text and "reads higher" in help_text

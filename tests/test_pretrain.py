@@ -176,6 +176,12 @@ def test_bad_input_is_one_line(data, tmp_path):
     (["--crop-size", "6"], "too small to blur"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--print-freq", "0"], "--print-freq must be positive"),
+    (["--workers", "-1"], "--workers must be >= 0"),
+    (["--save-freq", "0"], "--save-freq must be positive"),
+    (["--proj-hidden-dims", "32", "0"], "--proj-hidden-dims must be positive"),
+    (["--ema-momentum", "1.5"], "--ema-momentum must lie in \\[0, 1\\]"),
+    (["--min-scale", "1.5"], "need 0 < min <= max <= 1"),
+    (["--local-crop-sizes", "8", "--local-crop-scales", "0.5", "0.1"], "need 0 < min <= max <= 1"),
     (["--knn-max-train", "0"], "--knn-max-train must be a positive number"),
 ])
 def test_bad_flags(data, tmp_path, extra, match):
