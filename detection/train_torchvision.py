@@ -32,7 +32,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sce import UserError  # noqa: E402
+from sce import UserError, cli  # noqa: E402
 from sce import distributed as du  # noqa: E402
 from sce.checkpoint import load, save_atomic  # noqa: E402
 from trunk import read_resnet_trunk  # noqa: E402
@@ -190,8 +190,11 @@ def main():
     parser.add_argument("--print-freq", default=20, type=int, help="log every N iterations (default: 20)")
     parser.add_argument("--seed", default=0, type=int, help="random seed (default: 0)")
     args = parser.parse_args()
-    if args.batch_size < 1 or args.epochs < 1 or args.warmup_iters < 1:
-        raise UserError("--batch-size, --epochs and --warmup-iters must be positive")
+    cli.check_ranges({"--batch-size": args.batch_size, "--epochs": args.epochs, "--warmup-iters": args.warmup_iters,
+                      "--print-freq": args.print_freq, "--min-size": args.min_size, "--max-size": args.max_size,
+                      "--rois-per-image": args.rois_per_image},
+                     {"--lr": args.lr, "--weight-decay": args.weight_decay, "--momentum": args.momentum,
+                      "--workers": args.workers, "--max-iters": args.max_iters, "--seed": args.seed})
     os.makedirs(args.output_dir, exist_ok=True)
     last = os.path.join(args.output_dir, "checkpoint_last.pth")
     if args.resume and not os.path.isfile(last):

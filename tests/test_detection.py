@@ -432,3 +432,5 @@ def test_train_torchvision_bad_input(coco, tmp_path):
         f.write("[1, 2]")
     args[args.index("--train-ann") + 1] = str(tmp_path / "bad.json")
     assert_exit_error(script, args, "bad.json", "not a COCO annotation file")
+    assert_exit_error(script, args + ["--lr", "-0.1"], "--lr must be >= 0")
+    assert_exit_error(script, args + ["--print-freq", "0"], "--print-freq must be positive")
