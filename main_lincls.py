@@ -93,10 +93,10 @@ def main(argv=None):
     args.crop_size = args.crop_size or NATIVE_CROP.get(args.dataset, 224)
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--crop-size": args.crop_size,
                 "--print-freq": args.print_freq, "--knn-k": args.knn_k, "--knn-t": args.knn_t,
-                "--logreg-c": 1 if args.logreg_c is None else args.logreg_c, "--logreg-max-iter": args.logreg_max_iter}
+                "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter}
     at_least_zero = {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
-                     "--warmup-epochs": args.warmup_epochs, "--seed": args.seed, "--sgd-momentum": args.sgd_momentum}
-    cli.check_ranges(positive, at_least_zero)
+                     "--warmup-epochs": args.warmup_epochs, "--seed": args.seed}
+    cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
     if args.resume == "auto":

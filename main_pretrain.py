@@ -183,8 +183,6 @@ def check_args(args):
         raise UserError(f"unknown arch '{args.arch}': use one of {', '.join(ARCHS)}")
     if args.tau <= 0 or args.tau_m <= 0:
         raise UserError(f"temperatures must be positive (got --tau {args.tau}, --tau-m {args.tau_m})")
-    if not 0 <= args.lambda_ <= 1:
-        raise UserError(f"--lambda must lie in [0, 1] (got {args.lambda_})")
     if len(args.local_crop_scales) != 2 * len(args.local_crop_sizes):
         raise UserError("--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry")
     positive = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--queue-size": args.queue_size,
@@ -196,10 +194,10 @@ def check_args(args):
                      "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
                      "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,
                      "--knn-every": args.knn_every}
-    cli.check_ranges(positive, at_least_zero)
-    for flag, value in {"--ema-momentum": args.ema_momentum, "--sgd-momentum": args.sgd_momentum}.items():
-        if not 0 <= value <= 1:
-            raise UserError(f"{flag} must lie in [0, 1] (got {value})")
+    unit_interval = {"--lambda": args.lambda_, "--lambda-end": args.lambda_end,
+                     "--lambda-warmup-start": args.lambda_warmup_start, "--ema-momentum": args.ema_momentum,
+                     "--sgd-momentum": args.sgd_momentum}
+    cli.check_ranges(positive, at_least_zero, unit_interval)
     scales = [(args.min_scale, 1.0)] + list(zip(args.local_crop_scales[::2], args.local_crop_scales[1::2]))
     if not all(0 < low <= high <= 1 for low, high in scales):
         raise UserError(f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) "
@@ -207,9 +205,6 @@ def check_args(args):
     if args.knn_max_train is not None and args.knn_max_train <= 0:
         raise UserError(f"--knn-max-train must be a positive number of images (got {args.knn_max_train}): "
                         "omit it to use the whole train split")
-    lambdas = [v for v in (args.lambda_end, args.lambda_warmup_start) if v is not None]
-    if not all(0 <= v <= 1 for v in lambdas):
-        raise UserError(f"--lambda-end and --lambda-warmup-start must lie in [0, 1] (got {lambdas})")
     if (args.lambda_schedule != "constant" or args.lambda_warmup_steps) and args.loss != "sce":
         raise UserError(f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without "
                         f"--loss-coeffs); this run uses {args.loss}")

@@ -83,6 +83,11 @@ def pack_params(params):
                          params["solarize"]], dtype=torch.float32)
 
 
+def any_photometric(rows):
+    """Whether any of the packed rows applies a photometric op (jitter, gray, blur or solarize)."""
+    return bool(rows[:, [0, 9, 10, 11]].any())
+
+
 def unpack_params(rows):
     """(N, 12) packed rows -> the batch's parameters by name, as sce.device_augment reads them."""
     return dict(jitter=rows[:, 0] > 0, order=rows[:, 1:5].long(), factors=rows[:, 5:9], gray=rows[:, 9] > 0,

@@ -68,14 +68,18 @@ def default_workers(most=16):
     return max(1, min(most, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 
 
-def check_ranges(positive=(), at_least_zero=()):
-    """A one-line error for the first flag out of its range; each argument: {flag: value}."""
+def check_ranges(positive=(), at_least_zero=(), unit_interval=()):
+    """A one-line error for the first flag out of its range; each argument: {flag: value}, where a
+    value of None (flag not given) is skipped."""
     for flag, value in dict(positive).items():
-        if value <= 0:
+        if value is not None and value <= 0:
             raise UserError(f"{flag} must be positive (got {value})")
     for flag, value in dict(at_least_zero).items():
-        if value < 0:
+        if value is not None and value < 0:
             raise UserError(f"{flag} must be >= 0 (got {value})")
+    for flag, value in dict(unit_interval).items():
+        if value is not None and not 0 <= value <= 1:
+            raise UserError(f"{flag} must lie in [0, 1] (got {value})")
 
 
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from sce.augment import BLUR_SIGMA, MEAN, STD, blur_kernel_size, unpack_params
+from sce.augment import BLUR_SIGMA, MEAN, STD, any_photometric, blur_kernel_size, unpack_params
 
 BLUR_PAD = blur_kernel_size(BLUR_SIGMA[1]) // 2  # taps each side for the largest sigma
 
@@ -178,7 +178,7 @@ def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
     scale, shift = _STATS[str(crops.device)]
     settings = (dtype or torch.float32, torch.channels_last if channels_last else torch.contiguous_format)
     compile = crops.is_cuda if compile is None else compile
-    if not rows[:, [0, 9, 10, 11]].any():  # no photometric op in the batch (the weak view; rows on the CPU)
+    if not any_photometric(rows):  # the weak view (rows are on the CPU: no sync)
         return run_compiled(crop_batch, crops, scale, shift, *settings, compile=compile)
     rows = rows.to(device, non_blocking=True)
     return run_compiled(augment_batch, crops, rows, scale, shift, *settings, compile=compile)

@@ -53,13 +53,18 @@ class LARS(torch.optim.SGD):
         return super().step()
 
 
+def excludes_bias_norm(name, exclude_bias_norm=None):
+    """Whether biases and normalisation parameters skip weight decay: the flag, or by default what the
+    SCE authors' code does: yes under LARS, no under SGD (every parameter decays)."""
+    return name == "lars" if exclude_bias_norm is None else exclude_bias_norm
+
+
 def build_optimizer(name, model, lr, weight_decay, momentum=0.9, exclude_bias_norm=None):
     """Fused SGD or LARS, with zero momentum buffers from the start: fused SGD's first step would
     otherwise leave them uninitialised when it is skipped (non-finite).
 
-    exclude_bias_norm (no weight decay on biases and normalisation parameters) defaults to what the
-    SCE authors' code does: on under LARS, off under SGD (every parameter decays)."""
-    groups = param_groups(model, weight_decay, name == "lars" if exclude_bias_norm is None else exclude_bias_norm)
+    exclude_bias_norm: see excludes_bias_norm."""
+    groups = param_groups(model, weight_decay, excludes_bias_norm(name, exclude_bias_norm))
     if name == "lars":
         optimizer = LARS(groups, lr=lr, momentum=momentum)
     else:

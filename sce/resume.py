@@ -7,7 +7,7 @@ import torch
 
 from sce import UserError, checkpoint
 from sce import distributed as du
-from sce.optim import load_optimizer_state
+from sce.optim import excludes_bias_norm, load_optimizer_state
 
 # settings a resumed run must share with its checkpoint: the model's shape, the objective's settings, and
 # what the optimizer's saved state would silently override (weight decay, momentum); every other setting
@@ -65,9 +65,9 @@ def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step)
 
 
 def effective(settings, key):
-    """A saved or parsed setting as the run applies it (--wd-exclude-bias-norm unset: on under LARS only)."""
-    if key == "wd_exclude_bias_norm" and settings.get(key) is None:
-        return settings.get("optimizer") == "lars"
+    """A saved or parsed setting as the run applies it (--wd-exclude-bias-norm unset: the optimizer's default)."""
+    if key == "wd_exclude_bias_norm":
+        return excludes_bias_norm(settings.get("optimizer"), settings.get(key))
     return settings.get(key)
 
 

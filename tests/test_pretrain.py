@@ -1,10 +1,12 @@
 """main_pretrain.py as users run it: contract commands, exact resume, multi-rank equivalence, bad input."""
+import glob
 import json
 import os
 import re
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import assert_same_state, load, run_script, write_imagefolder
 from sce import UserError
@@ -100,6 +102,9 @@ def test_methods_and_options_run(data, tmp_path):
 def test_gpu_augment_run_lowers_the_loss(tmp_path):
     # --augment gpu on a machine without one: the batched ops run on CPU tensors in this process
     data = write_imagefolder(tmp_path / "data", num_classes=4, per_class=8, size=24, splits=("",))
+    for png in glob.glob(os.path.join(data, "class_[01]", "*.png")):  # half JPEG: torchvision's decoder path
+        Image.open(png).save(png[:-4] + ".jpg", quality=95)
+        os.remove(png)
     proc = run_script(["main_pretrain.py", "--data", data, "--augment", "gpu", "--arch", "resnet18", "--small-input",
                        "--crop-size", "16", "--min-scale", "0.5", "--batch-size", "16", "--queue-size", "32",
                        "--workers", "0", "--proj-hidden-dims", "64", "--proj-dim", "32", "--epochs", "16", "--lr", "1.0",
