@@ -16,15 +16,15 @@ import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from sce import UserError, cli
+from sce import UserError, cli, transfer
 from sce import distributed as du
-from sce import transfer
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
+from sce.engine import compile_trunk, resolve_compile
 from sce.knn import Shard, knn_accuracy
-from sce.loader import DATASETS, MEAN, STD, build_dataset, eval_transform
+from sce.loader import DATASETS, MEAN, STD, build_dataset, collate_views, eval_crop_size, eval_transform
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
-
-NATIVE_CROP = {"cifar10": 32, "cifar100": 32, "stl10": 96, "tiny-imagenet": 64}  # else 224
+from sce.device_decode import DecodedEval, decoded_loader
+from sce.preload import Images, PreloadedBatches, preload_eval
 
 
 def get_parser():
@@ -37,14 +37,21 @@ def get_parser():
                    help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
     p.add_argument("--knn", action="store_true", help="same as --classifier knn")
     p.add_argument("--crop-size", type=int, default=None,
-                   help="input size in pixels (default: 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224)")
+                   help="input size in pixels (default: a small-input trunk's pretraining crop size from its "
+                        "checkpoint, else 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224)")
     p.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
                    help="data-loading processes per rank (default: the node's cores / its ranks - 1, at most 16; "
                         f"here {cli.default_workers()})")
+    p.add_argument("--preload", default="auto", choices=["auto", "device", "off"],
+                   help="small-input trunks (linear and kNN): auto decodes train and val once onto a GPU when they "
+                        "fit in a quarter of its memory, then crops, flips and normalises batches there; device: "
+                        "always (on a CPU run, in host memory); off: the loader")
+    cli.add_decode_arg(p)  # ImageNet-stem trunks (small-input ones are preloaded)
     p.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lincls"),
                    help="checkpoints, results_<classifier>.json, TensorBoard scalars, feature cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the head init, the shuffling and the logreg hold-out")
     cli.add_amp_arg(p)
+    cli.add_compile_arg(p)
     g = p.add_argument_group("linear classifier")
     g.add_argument("--schedule", default="step", choices=["step", "cosine"],
                    help="step: lr 30, 100 epochs, x0.1 at --milestones (small datasets, ImageNet100); "
@@ -90,7 +97,6 @@ def main(argv=None):
     args.epochs = args.epochs or (90 if cosine else 100)
     args.batch_size = args.batch_size or (1024 if cosine else 256)
     args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
-    args.crop_size = args.crop_size or NATIVE_CROP.get(args.dataset, 224)
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--crop-size": args.crop_size,
                 "--print-freq": args.print_freq, "--knn-k": args.knn_k, "--knn-t": args.knn_t,
                 "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter}
@@ -109,18 +115,26 @@ def main(argv=None):
 
     _, _, _, device = du.init()
     try:
+        args.compile = resolve_compile(args.compile, device)
+        args.decode = cli.resolve_decode(args.decode, device)
         trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input,
                                            "online" if args.resume else args.encoder)
         args.arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
         args.small_input = isinstance(trunk.maxpool, nn.Identity)
+        args.crop_size, why, warning = eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"),
+                                                      args.dataset)
         if du.is_main():
             os.makedirs(args.output_dir, exist_ok=True)
             print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
-                  f"from {source}", flush=True)
+                  f"from {source}; input {args.crop_size} px ({why})", flush=True)
+            if warning:
+                print(warning, flush=True)
         torch.manual_seed(args.seed)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         trunk.to(device)
+        if args.compile:
+            compile_trunk(trunk)  # keeps the state-dict keys: the checkpoints stay those of an eager run
         if args.classifier == "linear":
             run_linear(args, trunk, feat_dim, ckpt, source, device)
         elif args.classifier == "knn":
@@ -147,9 +161,33 @@ def num_classes_of(train_ds, val_ds, args):
     return n
 
 
-def loader(ds, batch, args, shuffle, sampler=None):
-    return DataLoader(ds, batch_size=batch, shuffle=shuffle, sampler=sampler, num_workers=args.workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
+def loader(ds, batch, args, sampler, device, train=False):
+    """Batches of (images, targets): preloaded on the device, decoded there, or by the loader's workers.
+    train: the linear probe's training split (a preloaded one is cropped and flipped on the device)."""
+    if isinstance(ds, Images):
+        return PreloadedBatches(ds, sampler, batch, args.crop_size, train=train, seed=args.seed)
+    return decoded_loader(DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=args.workers,
+                                     pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                                     collate_fn=collate_views), device)
+
+
+def splits(args, device, augment_train):
+    """(train, val, number of classes) as the evaluation reads them: preloaded on the device (a
+    small-input trunk, --preload), read for the device's JPEG decoder (an ImageNet-stem trunk, --decode
+    device) or with the loader's transforms. augment_train: the linear probe's random crops and flips."""
+    encoded = args.decode == "device" and not args.small_input
+    train, val = (build_dataset(args.dataset, args.data, split, encoded=encoded) for split in ("train", "val"))
+    classes = num_classes_of(train, val, args)
+    bank, queries = preloaded(args, train, "train", device, augment_train), preloaded(args, val, "val", device)
+    if bank and queries:
+        return bank, queries, classes
+    train_tf, val_tf = (eval_transform(t, args.crop_size, args.small_input) for t in (augment_train, False))
+    if encoded:  # the loader path's resize 256 / centre crop 224, scaled with --crop-size
+        resize = int(args.crop_size * 256 / 224)
+        return (DecodedEval(train, args.crop_size, train_tf, None if augment_train else resize),
+                DecodedEval(val, args.crop_size, val_tf, resize), classes)
+    train.transform, val.transform = train_tf, val_tf
+    return train, val, classes
 
 
 def write_results(args, results):
@@ -247,18 +285,16 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
     rank, world = du.rank(), du.world_size()
     if args.batch_size % world:
         raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
-    small = args.small_input
-    train_ds = build_dataset(args.dataset, args.data, "train", eval_transform(True, args.crop_size, small))
-    val_ds = build_dataset(args.dataset, args.data, "val", eval_transform(False, args.crop_size, small))
-    attach_head(model, feat_dim, num_classes_of(train_ds, val_ds, args), ckpt, source, args, device)
+    train_ds, val_ds, num_classes = splits(args, device, augment_train=True)
+    attach_head(model, feat_dim, num_classes, ckpt, source, args, device)
     model.eval()  # BN of the trunk keeps its statistics: only fc learns
     reference = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
 
     per_rank = args.batch_size // world
     # seeded per epoch (also on one process) so a resumed run sees the same order
     sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    train_loader = loader(train_ds, per_rank, args, False, sampler)
-    val_loader = loader(val_ds, per_rank, args, False, Shard(len(val_ds)))  # every val image on one rank
+    train_loader = loader(train_ds, per_rank, args, sampler, device, train=True)
+    val_loader = loader(val_ds, per_rank, args, Shard(len(val_ds)), device)  # every val image on one rank
 
     if args.evaluate:
         acc1, acc5, loss = validate(model, val_loader, device, args.amp)
@@ -288,6 +324,8 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
     acc1 = acc5 = None
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
+        if isinstance(train_loader, PreloadedBatches):
+            train_loader.set_epoch(epoch)  # its crops and flips
         if args.schedule == "step":
             set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
         train_loss = train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, progress, device)
@@ -317,6 +355,14 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
         write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs})
 
 
+def preloaded(args, ds, split, device, train=False):
+    """A split preloaded on the device for a small-input trunk (sce.preload), or None: the loader.
+    train: the linear probe's training split (its random crops come later, on the device)."""
+    if not args.small_input:  # the large-image protocol's random resized crop stays in the loader
+        return None
+    return preload_eval(ds, args.crop_size, args.preload, device, args.workers, train, what=f"{split} images")
+
+
 # ---------------------------------------------------------------- features (kNN, logistic regression)
 
 def one_process():
@@ -331,7 +377,8 @@ def features(args, trunk, ds, split, source, device):
     """Cached trunk features of one split (not normalised), and its labels."""
     x = cli.split_features(trunk, ds, split, args.output_dir, device, checkpoint=source, batch_size=256,
                            workers=args.workers, amp=args.amp, encoder=args.encoder, arch=args.arch,
-                           small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data))
+                           small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data),
+                           decoded_on_device=isinstance(ds, DecodedEval))
     return x, np.asarray(ds.targets)
 
 
@@ -340,15 +387,12 @@ def features(args, trunk, ds, split, source, device):
 def run_knn(args, trunk, device):
     # the memory bank is the train split, the queries the val split, both without augmentation; every
     # rank extracts and scores its share (sce.knn), as the kNN monitor of main_pretrain.py does
-    tf = eval_transform(False, args.crop_size, args.small_input)
-    train_ds = build_dataset(args.dataset, args.data, "train", tf)
-    val_ds = build_dataset(args.dataset, args.data, "val", tf)
-    num_classes = num_classes_of(train_ds, val_ds, args)
+    bank, queries, num_classes = splits(args, device, augment_train=False)
     with cli.autocast(device, args.amp):
-        top1, top5 = knn_accuracy(trunk, train_ds, val_ds, num_classes, device, args.knn_k, args.knn_t,
+        top1, top5 = knn_accuracy(trunk, bank, queries, num_classes, device, args.knn_k, args.knn_t,
                                   workers=args.workers)
     if du.is_main():
-        print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(train_ds)} train / {len(val_ds)} val images): "
+        print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
               f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
         write_results(args, {"acc1": top1, "acc5": top5, "k": args.knn_k, "t": args.knn_t})
 
@@ -365,10 +409,13 @@ def run_logreg(args, trunk, source, device):
                         "multi-label voc07, top1 / mean-per-class for the others")
     if not one_process():  # scikit-learn runs on one process
         return
+    encoded = args.decode == "device" and not args.small_input
 
+    def read(dataset):  # an ImageNet-stem trunk's JPEGs decoded, resized and cropped on the device (--decode)
+        return DecodedEval(dataset, args.crop_size, tf, args.crop_size, "bicubic") if encoded else dataset
     if args.dataset == "voc07":  # its own val split picks C, then train+val is refit
         split_data = {s: transfer.read_voc07(args.data, s) for s in ("train", "val", "test")}  # all checked first
-        feats = {s: features(args, trunk, transfer.ImageList(p, y, tf), s, source, device)[0]
+        feats = {s: features(args, trunk, read(transfer.ImageList(p, y, tf, encoded)), s, source, device)[0]
                  for s, (p, y) in split_data.items()}
         labels = {s: y for s, (_, y) in split_data.items()}
         sel_x, sel_y, val_x, val_y = feats["train"], labels["train"], feats["val"], labels["val"]
@@ -376,25 +423,27 @@ def run_logreg(args, trunk, source, device):
         fit_y = np.concatenate([labels["train"], labels["val"]])
         test_x, test_y = feats["test"], labels["test"]
     else:  # a seeded share of train picks C, then all of train is refit; DATA/val is the test set
-        train_ds = build_dataset(args.dataset, args.data, "train", tf)
-        test_ds = build_dataset(args.dataset, args.data, "val", tf)
+        train_ds, test_ds = (read(build_dataset(args.dataset, args.data, split, None if encoded else tf,
+                                                encoded=encoded)) for split in ("train", "val"))
         num_classes_of(train_ds, test_ds, args)
         fit_x, fit_y = features(args, trunk, train_ds, "train", source, device)
         test_x, test_y = features(args, trunk, test_ds, "val", source, device)
         tr, va = transfer.holdout_split(fit_y, args.val_fraction, args.seed)
         sel_x, sel_y, val_x, val_y = fit_x[tr], fit_y[tr], fit_x[va], fit_y[va]
 
+    count = transfer.FitCount()  # fits stopped by --logreg-max-iter, said with the result
     if args.logreg_c is not None:
         best_c, history = args.logreg_c, []
     else:
         print(f"picking C on {len(val_x)} validation images ({len(transfer.LOGREG_WDS)} wd values)", flush=True)
         best_c, history = transfer.select_logreg(sel_x, sel_y, val_x, val_y, metric,
-                                                 max_iter=args.logreg_max_iter)
-    score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, best_c, args.logreg_max_iter)
-    print(f"logistic regression (C {best_c:.4g}, refit on {len(fit_x)} images): test {metric} {score:.2f}",
-          flush=True)
+                                                 max_iter=args.logreg_max_iter, count=count)
+    score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, best_c, args.logreg_max_iter, count)
+    print(f"logistic regression (C {best_c:.4g}, refit on {len(fit_x)} images): test {metric} {score:.2f} "
+          f"({count.note(args.logreg_max_iter, '--logreg-max-iter')})", flush=True)
     write_results(args, {"metric": metric, "test": score, "C": best_c,
-                         "val": [{"C": c, "score": s} for c, s in history]})
+                         "val": [{"C": c, "score": s} for c, s in history],
+                         "fits": len(count.stalled), "unconverged_fits": sum(count.stalled)})
 
 
 if __name__ == "__main__":

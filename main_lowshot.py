@@ -28,7 +28,9 @@ import torchvision.transforms as T
 
 from sce import UserError, cli, transfer
 from sce.checkpoint import checkpoint_arch, load_trunk
-from sce.loader import MEAN, STD
+from sce.engine import compile_trunk, resolve_compile
+from sce.device_decode import DecodedEval
+from sce.loader import MEAN, STD, eval_crop_size
 
 
 def shots_arg(value):
@@ -66,12 +68,16 @@ def get_parser():
                    "drop them from training and AP (VOC devkit convention; reads higher)")
     g.add_argument("--jobs", type=int, default=1, help="SVMs trained in parallel (-1: all cores)")
     g = p.add_argument_group("features")
-    g.add_argument("--resize", type=int, default=256, help="resize of the short side, in pixels")
-    g.add_argument("--crop-size", type=int, default=224, help="centre crop, in pixels")
+    g.add_argument("--resize", type=int, help="resize of the short side, in pixels (default: 256 for a 224 crop; "
+                   "a small-input trunk: the crop size)")
+    g.add_argument("--crop-size", type=int, help="centre crop, in pixels (default: 224; a small-input trunk: the "
+                   "crop size it was pretrained with, from its checkpoint)")
     g.add_argument("-b", "--batch-size", type=int, default=128, help="images per forward pass")
     g.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
                    help=f"data-loading processes (default: the cores - 1, at most 16; here {cli.default_workers()})")
     cli.add_amp_arg(g)
+    cli.add_compile_arg(g)
+    cli.add_decode_arg(g)
     g.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lowshot"),
                    help="feature cache and lowshot.json")
     return p
@@ -93,25 +99,34 @@ def main(argv=None):
     trunk, feat_dim, ckpt = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)
     arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
     small_input = isinstance(trunk.maxpool, torch.nn.Identity)
+    crop, why, warning = eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")
+    resize = args.resize or (crop if small_input else round(crop * 256 / 224))  # small images: resize to the crop
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     trunk.to(device)
+    if resolve_compile(args.compile, device):
+        compile_trunk(trunk)
     os.makedirs(args.output_dir, exist_ok=True)
-    print(f"=> {arch} trunk ({feat_dim}-d) from {args.pretrained}; VOC07 {len(trainval_paths)} trainval / "
-          f"{len(test_paths)} test images", flush=True)
+    print(f"=> {arch} trunk ({feat_dim}-d) from {args.pretrained}; input {crop} px ({why}), resized to {resize}; "
+          f"VOC07 {len(trainval_paths)} trainval / {len(test_paths)} test images", flush=True)
+    if warning:
+        print(warning, flush=True)
 
-    tf = T.Compose([T.Resize(args.resize), T.CenterCrop(args.crop_size), T.ToTensor(), T.Normalize(MEAN, STD)])
+    tf = T.Compose([T.Resize(resize), T.CenterCrop(crop), T.ToTensor(), T.Normalize(MEAN, STD)])
+    on_device = cli.resolve_decode(args.decode, device) == "device"  # JPEGs decoded, resized, cropped there
 
     def features(split, paths, labels):
-        feats = cli.split_features(trunk, transfer.ImageList(paths, labels, tf), split, args.output_dir, device,
-                                   checkpoint=args.pretrained, batch_size=args.batch_size, workers=args.workers,
-                                   amp=args.amp, encoder=args.encoder, arch=arch, small_input=small_input,
-                                   dataset="voc07", data=os.path.abspath(args.data))
+        images = transfer.ImageList(paths, labels, tf, encoded=on_device)
+        feats = cli.split_features(trunk, DecodedEval(images, crop, tf, resize) if on_device else images, split,
+                                   args.output_dir, device, checkpoint=args.pretrained, batch_size=args.batch_size,
+                                   workers=args.workers, amp=args.amp, encoder=args.encoder, arch=arch,
+                                   small_input=small_input, dataset="voc07", data=os.path.abspath(args.data),
+                                   decoded_on_device=on_device)
         return transfer.l2_normalize_rows(feats)
 
     train_x = features("trainval", trainval_paths, trainval_y)
     test_x = features("test", test_paths, test_y)
 
-    results = []
+    results, all_fits = [], transfer.FitCount()
     for k in args.shots:
         runs = 1 if k == "full" else args.runs
         per_run = []
@@ -119,21 +134,28 @@ def main(argv=None):
             idx = (np.arange(len(train_x)) if k == "full"
                    else transfer.lowshot_draw(trainval_y, k, [args.seed, k, r]).ravel())
             x, y = train_x[idx], trainval_y[idx]
+            fits = transfer.FitCount()
             if args.cost_selection == "test":
-                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, args.jobs, args.difficult)[0]
+                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, args.jobs, args.difficult, fits)[0]
                             for c in args.costs}
                 per_run.append({"images": len(idx), "test_map": per_cost})
             else:
+                drops = transfer.cv_drops(y, idx, args.cv_folds, args.seed, args.difficult)
+                if drops:  # the same for every cost: said once per draw
+                    print(f"K {k} draw {r + 1}/{runs}: {drops}", flush=True)
                 cv = {c: transfer.svm_cv_map(x, y, c, groups=idx, folds=args.cv_folds, seed=args.seed,
-                                             jobs=args.jobs, difficult=args.difficult) for c in args.costs}
+                                             jobs=args.jobs, difficult=args.difficult, count=fits) for c in args.costs}
                 cost = max(cv, key=cv.get)  # first best on ties
-                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs, args.difficult)[0]
-                per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap})
+                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs, args.difficult, fits)[0]
+                per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap, "cv_drops": drops})
+            per_run[-1].update(svm_fits=len(fits.stalled), unconverged_fits=sum(fits.stalled))
+            all_fits.stalled += fits.stalled
             detail = per_run[-1]["test_map" if args.cost_selection == "test" else "cv_map"]
             print(f"K {k} draw {r + 1}/{runs} ({len(idx)} images): {args.cost_selection} mAP per cost "
                   + " ".join(f"{c:g}:{m:.2f}" for c, m in detail.items())
                   + (f" -> cost {per_run[-1]['cost']:g} test mAP {per_run[-1]['map']:.2f}"
-                     if args.cost_selection == "cv" else ""), flush=True)
+                     if args.cost_selection == "cv" else "")
+                  + f" ({fits.note(transfer.SVM_MAX_ITER, noun='SVM fits')})", flush=True)
         if args.cost_selection == "test":  # PCL: the cost with the best mean over the draws
             means = {c: float(np.mean([run["test_map"][c] for run in per_run])) for c in args.costs}
             cost = max(means, key=means.get)
@@ -150,6 +172,7 @@ def main(argv=None):
     for res in results:
         cost = "/".join(f"{c:g}" for c in (res["cost"] if isinstance(res["cost"], list) else [res["cost"]]))
         print(f"{res['shots']:>6}  {res['runs']:>4}  {res['mean']:6.2f} ± {res['std']:5.2f}  {cost}")
+    print(all_fits.note(transfer.SVM_MAX_ITER, noun="SVM fits"))
     out = os.path.join(args.output_dir, "lowshot.json")
     with open(out, "w") as f:
         json.dump({"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder, "arch": arch,

@@ -8,29 +8,29 @@ Defaults are the paper's ImageNet recipe against the baselines (Sec. 4.2); RECIP
 the command of every setting of the paper.
 """
 import argparse
-import dataclasses
 import functools
 import json
 import os
 import random
-import time
 
-import numpy as np
 import torch
 
-from sce import UserError, checkpoint, cli, losses
+from sce import UserError, checkpoint, cli, device_decode, losses
 from sce import distributed as du
 from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
-from sce.builder import ARCHS, SCE, momentum_at
+from sce.builder import ARCHS, SCE
 from sce.device_augment import DeviceViews
-from sce.engine import Training, check_compile, compile_model, train_step
+from sce.engine import (CompileFallback, CudaGraphs, GraphedStep, Training, compile_model, lr_as_tensors,
+                        resolve_compile, train_step)
+from sce.epoch import Run, lambda_scheduled, train_one_epoch
 from sce.knn import knn_accuracy
-from sce.loader import (DATASETS, ResumableSampler, build_dataset, digits_imagefolder, eval_transform,
-                        note_bad_images, pretrain_loader)
-from sce.optim import build_optimizer, cosine_lr, scheduled, set_lr
+from sce.loader import (DATASETS, ResumableSampler, build_dataset, digits_imagefolder, eval_crop_size,
+                        eval_transform, pretrain_loader)
+from sce.optim import build_optimizer
+from sce.preload import PreloadedViews, preload, preload_eval, wanted
 from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
 from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
-from sce.preview import view_labels, views_grid, write_preview
+from sce.preview import write_preview
 
 
 # method -> (loss, tau, tau_m, online aug, target aug); a flag given on the command line wins
@@ -62,6 +62,11 @@ g.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
 g.add_argument("--augment", choices=["cpu", "gpu"],
                help="where the photometric augmentations run: in the loader workers (cpu), or batched on the "
                     "training device (gpu; the workers only decode, crop and flip) (default: gpu on CUDA, else cpu)")
+g.add_argument("--decode", choices=["auto", "device", "loader"], default="auto",
+               help="where JPEG files are decoded with --augment gpu: device (the GPU's JPEG engines; on a CPU "
+                    "run, the training process) after the workers read their bytes, header and random parameters, "
+                    "then cropped and resized there; or in the loader workers. Other files (PNG, progressive or "
+                    "CMYK JPEG) are decoded by the workers either way. auto: device on a GPU, else loader")
 g.add_argument("--crop-size", type=int, default=224, help="size of the global views in pixels")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(AUGMENTATIONS),
@@ -73,6 +78,11 @@ g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], metavar="P
                help="multi-crop: sizes of the local crops, e.g. 192 160 128 96 (default: none)")
 g.add_argument("--local-crop-scales", type=float, nargs="*", default=[], metavar="SCALE",
                help="min and max area share of each local crop, e.g. 0.172 0.86 0.143 0.715 0.114 0.571 0.086 0.429")
+g.add_argument("--preload", default="auto", choices=["auto", "device", "off"],
+               help="auto: on a GPU, a dataset whose decoded images are of one size and fit in a quarter of its "
+                    "memory (CIFAR, STL-10, Tiny-ImageNet) is decoded once and kept there, and each batch is cropped "
+                    "and augmented there (no loader processes); device: always (on a CPU run, in host memory); "
+                    "off: the loader")
 g.add_argument("--max-bad-images", type=int, default=-1,
                help="unreadable images tolerated before stopping (default: -1 = 0.1%% of the dataset)")
 g = parser.add_argument_group("model")
@@ -127,8 +137,13 @@ g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup of 
 g = parser.add_argument_group("runtime")
 g.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="mixed precision (autocast)")
 g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
-g.add_argument("--compile", action="store_true",
-               help="torch.compile the encoders and heads (checkpoints stay interchangeable with eager runs)")
+g.add_argument("--compile", action=argparse.BooleanOptionalAction,
+               help="torch.compile the encoders and heads; checkpoints stay interchangeable with eager runs, and "
+                    "a failed compile warns and runs eagerly (default: on CUDA with Triton; off on CPU, where "
+                    "compiling a ResNet takes minutes)")
+g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
+               help="replay the training step from a CUDA graph after 3 eager steps: one launch instead of hundreds, "
+                    "for small models on small images (default: on for one GPU process without --amp fp16)")
 g.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and every view")
 g.add_argument("--output-dir", default=os.path.join("runs", "sce"), metavar="DIR",
                help="args.json, log.txt, checkpoints and TensorBoard logs")
@@ -205,7 +220,11 @@ def check_args(args):
     if args.knn_max_train is not None and args.knn_max_train <= 0:
         raise UserError(f"--knn-max-train must be a positive number of images (got {args.knn_max_train}): "
                         "omit it to use the whole train split")
-    if (args.lambda_schedule != "constant" or args.lambda_warmup_steps) and args.loss != "sce":
+    if args.decode == "device" and args.augment == "cpu":
+        raise UserError("--decode device crops and augments on the device: drop --augment cpu")
+    if args.preload == "device" and args.augment == "cpu":
+        raise UserError("--preload device augments on the device: drop --augment cpu (or use --preload off)")
+    if lambda_scheduled(args) and args.loss != "sce":
         raise UserError(f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without "
                         f"--loss-coeffs); this run uses {args.loss}")
     smallest = min([args.crop_size] + args.local_crop_sizes)
@@ -227,15 +246,10 @@ def build_criterion(args, lambda_=None):
                              tau_m=args.tau_m, mask_positive=args.mask_positive)
 
 
-def lambda_at(args, step, total_steps):
-    return scheduled(step, total_steps, args.lambda_, args.lambda_end, args.lambda_schedule,
-                     args.lambda_warmup_steps, args.lambda_warmup_start)
-
-
 def main(argv=None):
     args = parse_args(argv)
     rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
-    args.augment = args.augment or ("gpu" if device.type == "cuda" else "cpu")
+    resolve_device_defaults(args, device)
     if world_size > 1:
         check_ranks_agree(args)
     bn_splits = check_world(args, world_size, device)
@@ -249,7 +263,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     dataset = build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
-                            as_tensor=args.augment == "gpu")
+                            as_tensor=args.augment == "gpu", encoded=args.decode == "device")
     if len(dataset) < args.batch_size and not args.preview_views:
         raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
                         "lower --batch-size")
@@ -260,14 +274,17 @@ def main(argv=None):
             write_preview(args, dataset, views, device)
         du.cleanup()
         return
-    loader = pretrain_loader(dataset, views, sampler, args.batch_size // world_size, args.workers, device, args.seed)
+    max_bad = args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000)
+    loader, batches = build_batches(args, dataset, sampler, views, device, max_bad)
 
-    model = SCE(build_criterion(args), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
+    # lambda as a device tensor when it moves: a CUDA graph of the step reads it
+    lam = torch.tensor(args.lambda_, device=device) if lambda_scheduled(args) else None
+    model = SCE(build_criterion(args, lam), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
                 args.proj_last_bn, args.pred_hidden_dims, args.queue_size, args.symmetric, args.shuffle_bn,
                 bn_splits, args.sync_bn and world_size > 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    knn_sets = build_knn_sets(args) if args.knn_data else None
+    knn_sets = build_knn_sets(args, device) if args.knn_data else None
     if args.demo:
         args.untrained_knn = knn_monitor(args, model, knn_sets, device)[0]
     base_lr = args.lr * args.batch_size / 256
@@ -283,14 +300,14 @@ def main(argv=None):
     preemption = Preemption(world_size, args.dist_timeout)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
-              f"on {world_size} rank(s), lr {base_lr:.4g}, augment on {args.augment}", flush=True)
+              f"on {world_size} rank(s), lr {base_lr:.4g}, augment on {args.augment}"
+              f"{', JPEGs decoded on the device' if loader and args.decode == 'device' else ''}", flush=True)
 
-    amp_dtype = cli.AMP[args.amp]
     terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
-    run = Run(args, Training(model, ddp_model, optimizer, scaler, amp_dtype, terms=terms), loader, sampler, device,
-              writer, preemption, base_lr,
-              max_bad=args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000),
-              nonfinite=torch.zeros((), device=device))
+    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=terms)
+    run = Run(args, training, build_step(args, training, world_size, device), loader, batches, sampler, device,
+              writer, preemption, base_lr, max_bad, nonfinite=torch.zeros((), device=device), lam=lam)
+    run.first_step = start_epoch * run.steps_per_epoch + start_step
     epochs_done_here = 0
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_step)
@@ -323,6 +340,44 @@ def main(argv=None):
     du.cleanup()
 
 
+def resolve_device_defaults(args, device):
+    """The defaults that depend on the device, resolved so that args.json and the checkpoints record
+    them: on a GPU the augmentations run there, JPEGs are decoded there and the model is compiled."""
+    args.augment = args.augment or ("gpu" if device.type == "cuda" or args.preload == "device" else "cpu")
+    if args.decode == "auto":
+        args.decode = "device" if args.augment == "gpu" and device_decode.available(device) else "loader"
+    args.compile = resolve_compile(args.compile, device)
+
+
+def build_batches(args, dataset, sampler, views, device, max_bad):
+    """(loader or None, the epoch's batches of views on the device): the dataset preloaded on the
+    device (--preload), else the loader's batches (DeviceViews)."""
+    amp_dtype = cli.AMP[args.amp]
+    images = None
+    if wanted(args.preload, device) and args.augment == "gpu":
+        images = preload(dataset, device, args.preload == "device", args.workers, max_bad)
+    if images is not None:
+        return None, PreloadedViews(images, views, sampler, args.seed, amp_dtype, args.channels_last)
+    loader = pretrain_loader(dataset, views, sampler, args.batch_size // du.world_size(), args.workers, device,
+                             args.seed)
+    return loader, DeviceViews(loader, device, amp_dtype, args.channels_last)
+
+
+def build_step(args, training, world_size, device):
+    """The step function f(views, momentum) -> (loss, finite, terms): train_step, or its CUDA graph;
+    with --compile, eager again if compiling fails."""
+    possible = device.type == "cuda" and world_size == 1 and args.amp != "fp16"
+    if args.cuda_graph and not possible:
+        print("=> --cuda-graph needs one GPU process without --amp fp16 (GradScaler): the step runs eagerly",
+              flush=True)
+    if not possible or args.cuda_graph is False:
+        step = functools.partial(train_step, training)
+    else:
+        lr_as_tensors(training.optimizer, device)
+        step = GraphedStep(training, CudaGraphs(device))
+    return CompileFallback(step, training) if args.compile else step
+
+
 def check_world(args, world_size, device):
     """Settings impossible with this many ranks or this device stop here; returns the BN splits."""
     if args.batch_size % world_size:
@@ -338,8 +393,6 @@ def check_world(args, world_size, device):
     if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
         raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at "
                         f"least 2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
-    if args.compile:
-        check_compile(device)
     return bn_splits
 
 
@@ -365,15 +418,22 @@ def end_epoch(run, done, knn_sets):
     du.barrier()
 
 
-def build_knn_sets(args):
-    """(train set, val set, number of classes) of the kNN monitor, without augmentation."""
+def build_knn_sets(args, device):
+    """(train set, val set, number of classes) of the kNN monitor, without augmentation; preloaded on
+    the device as main_lincls.py --knn does for a small-input trunk (--preload)."""
     for split in ("train", "val"):
         if not os.path.isdir(os.path.join(args.knn_data, split)):
             raise UserError(f"--knn-data {args.knn_data} has no {split}/ folder: the kNN monitor needs "
                             "DIR/train and DIR/val in ImageFolder layout")
-    tf = eval_transform(False, args.crop_size, args.small_input)
-    train = build_dataset("imagefolder", args.knn_data, "train", tf)
-    return train, build_dataset("imagefolder", args.knn_data, "val", tf), len(train.classes)
+    size = eval_crop_size(None, args.small_input, vars(args))[0]  # main_lincls.py's rule for this trunk
+    train, val = (build_dataset("imagefolder", args.knn_data, split) for split in ("train", "val"))
+    if args.small_input:
+        bank, queries = (preload_eval(ds, size, args.preload, device, args.workers, what=f"kNN {split} images")
+                         for ds, split in ((train, "train"), (val, "val")))
+        if bank and queries:
+            return bank, queries, len(train.classes)
+    train.transform = val.transform = eval_transform(False, size, args.small_input)
+    return train, val, len(train.classes)
 
 
 def knn_monitor(args, model, knn_sets, device):
@@ -383,109 +443,6 @@ def knn_monitor(args, model, knn_sets, device):
         du.broadcast(buffer)
     return knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t, workers=min(args.workers, 4),
                         max_train=args.knn_max_train, seed=args.seed)
-
-
-@dataclasses.dataclass
-class Run:
-    """What train_one_epoch needs besides the epoch."""
-    args: argparse.Namespace
-    training: Training
-    loader: torch.utils.data.DataLoader
-    sampler: ResumableSampler
-    device: torch.device
-    writer: object  # TensorBoard SummaryWriter on rank 0, else None
-    preemption: Preemption
-    base_lr: float
-    max_bad: int  # unreadable images tolerated
-    nonfinite: torch.Tensor  # consecutive non-finite steps (device), carried across epochs
-    bad_seen: dict = dataclasses.field(default_factory=dict)  # index -> reason of each unreadable image
-    views_logged: bool = False  # the TensorBoard grid of views is written at the first step of a run
-    epoch_stats: dict = dataclasses.field(default_factory=dict)  # averages of the last epoch, for log.txt
-
-    @property
-    def steps_per_epoch(self):
-        return self.sampler.steps
-
-    @property
-    def total_steps(self):
-        return self.sampler.steps * self.args.epochs
-
-
-PREEMPTION_CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
-
-# the loss and the three terms of eq. 10 (of the first (target, query) pair), averaged over finite steps
-TERMS = ["loss", "infonce", "ressl", "ceil"]
-
-
-def train_one_epoch(run, epoch, start_step):
-    """One epoch from `start_step`; returns the step to resume from if preempted, else None.
-    Leaves the epoch's averages in run.epoch_stats."""
-    args, device = run.args, run.device
-    run.training.ddp_model.train()
-    window = torch.zeros(1 + len(TERMS), device=device)  # finite steps, then the sums of TERMS (no host sync)
-    epoch_sums = torch.zeros_like(window)
-    window_start, window_steps, epoch_start = time.time(), 0, time.time()
-    batches = DeviceViews(run.loader, device, run.training.amp_dtype, args.channels_last)
-    for i, (views, bad, reasons) in enumerate(batches, start=start_step):
-        step = epoch * run.steps_per_epoch + i
-        lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
-        set_lr(run.training.optimizer, lr)
-        m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
-        lam = lambda_at(args, step, run.total_steps)
-        if args.lambda_schedule != "constant" or args.lambda_warmup_steps:
-            run.training.model.criterion = build_criterion(args, lam)
-        note_bad_images(bad, reasons, run.loader.dataset, run.bad_seen, run.max_bad)
-        if run.writer and not run.views_logged:  # what the augmentations did, once a run
-            grid = views_grid(views, view_labels(args))
-            run.writer.add_image("views", np.asarray(grid), step, dataformats="HWC")
-            run.views_logged = True
-        loss, finite, terms = train_step(run.training, views, m)
-        run.nonfinite.copy_(torch.where(finite, torch.zeros_like(run.nonfinite), run.nonfinite + 1))  # no sync
-        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name] for name in TERMS[1:]])
-        values = torch.where(finite, values, torch.zeros_like(values))
-        window += values
-        epoch_sums += values
-        window_steps += 1
-
-        if (i + 1) % args.print_freq == 0 or i + 1 == run.steps_per_epoch:
-            if run.nonfinite.item() > args.max_nonfinite_steps:
-                raise UserError(f"{int(run.nonfinite.item())} consecutive non-finite losses at step {step}: the lr "
-                                f"({lr:.3g}) is likely too high{' or fp16 overflows (try --amp bf16)' if args.amp == 'fp16' else ''}; "
-                                "the last good checkpoint is kept")
-            elapsed = time.time() - window_start
-            means = (window[1:] / window[0].clamp(min=1)).tolist()
-            stats = dict(zip(TERMS, means), lr=lr, momentum=m, **{"lambda": lam},
-                         images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
-                         data_wait_share=batches.wait_s / max(elapsed, 1e-9))
-            if du.is_main():
-                log_progress(run, epoch, i, step, stats, elapsed / window_steps)
-            window.zero_()
-            window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
-        # a stop request is agreed through a gloo all_reduce over the ranks: at most every 10 steps, not every one
-        if (i + 1) % min(args.print_freq, PREEMPTION_CHECK_STEPS) == 0 and run.preemption.requested() \
-                and i + 1 < run.steps_per_epoch:
-            return i + 1
-    steps = run.steps_per_epoch - start_step
-    means = (epoch_sums[1:] / epoch_sums[0].clamp(min=1)).tolist()
-    run.epoch_stats = dict(zip(TERMS, means), lr=lr, momentum=m, **{"lambda": lam},
-                           images_per_s=steps * args.batch_size / max(time.time() - epoch_start, 1e-9))
-    return None
-
-
-def log_progress(run, epoch, i, step, stats, seconds_per_step):
-    """The progress line (loss, lr, momentum, throughput, data wait, peak memory, ETA) and TensorBoard."""
-    args = run.args
-    eta = (run.total_steps - step - 1) * seconds_per_step
-    memory = ""
-    if run.device.type == "cuda":
-        stats["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
-        memory = f" mem {stats['peak_memory_gib']:.1f}G"
-    print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{run.steps_per_epoch}] loss {stats['loss']:.4f} "
-          f"lr {stats['lr']:.4g} m {stats['momentum']:.5f} {stats['images_per_s']:.1f} img/s "
-          f"data {100 * stats['data_wait_share']:.0f}%{memory} eta {cli.format_eta(eta)}", flush=True)
-    if run.writer:
-        for name, value in stats.items():
-            run.writer.add_scalar(f"terms/{name}" if name in TERMS[1:] else f"train/{name}", value, step)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,14 @@ main_pretrain.py runs (sce.augment views, sce.device_augment, sce.engine.train_s
 
     python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
     python benchmarks/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16   # per-image CPU cost
+    python benchmarks/bench_pretrain.py --arch resnet18 --small-input --crop-size 32 --queue-size 4096 \
+        --shuffle-bn --bn-splits 8 --proj-hidden-dims 512 --proj-last-bn none --amp bf16 --channels-last \
+        --preload --cuda-graph --skip-data                                   # RECIPES.md's CIFAR-10 setting
+
+Beside the step it times two plain torchvision models of the same arch (plain BN, the same batch,
+precision, memory format and compile): `supervised_reference`, a forward + backward + SGD step on a
+cross-entropy, and `ideal_asymmetric`, that plus a no-grad forward of a second model, which an
+asymmetric SCE step cannot beat; the step's rows give their ratio to each.
 
 Without --data it writes ImageNet-like photos itself (crops of scikit-learn's two sample photos,
 500x375 JPEG, quality 98, ~100 KB). Prints one JSON line per measurement, then a table.
@@ -14,23 +22,25 @@ import functools
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import time
 import traceback
 import warnings
 
-import numpy as np
 import torch
-from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from photos import write_photos  # noqa: E402
 from sce import cli, losses  # noqa: E402
+from sce import preload  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
-from sce.builder import SCE  # noqa: E402
+from sce.builder import SCE, build_trunk  # noqa: E402
 from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
-from sce.engine import Training, compile_model, train_step  # noqa: E402
+from sce.engine import CudaGraphs, GraphedStep, Training, compile_model, lr_as_tensors, train_step  # noqa: E402
 from sce.loader import ResumableSampler, build_dataset, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
@@ -46,8 +56,25 @@ parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], h
 parser.add_argument("--channels-last", action="store_true")
 parser.add_argument("--compile", action="store_true", help="torch.compile the encoders and heads")
 parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
-parser.add_argument("--augment", nargs="+", default=["cpu", "gpu"], choices=["cpu", "gpu"],
-                    help="pipelines to measure (default: cpu gpu)")
+parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with split BN of --bn-splits chunks")
+parser.add_argument("--bn-splits", type=int, default=8, help="split BN chunks under --shuffle-bn (default: 8)")
+parser.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], help="(default: 2048 2048)")
+parser.add_argument("--proj-dim", type=int, default=256, help="(default: 256)")
+parser.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
+                    help="(default: affine)")
+parser.add_argument("--cuda-graph", action="store_true",
+                    help="replay the step from a CUDA graph (sce.engine.GraphedStep)")
+parser.add_argument("--preload", action="store_true",
+                    help="also end to end from images preloaded on the device (sce.preload): --data decoded once, "
+                         "else random images of --image-size")
+parser.add_argument("--image-size", type=int, help="side of the random preloaded images (default: --crop-size)")
+parser.add_argument("--augment", nargs="+", default=["cpu", "gpu", "decode"], choices=["cpu", "gpu", "decode"],
+                    help="pipelines to measure: cpu (all in the workers), gpu (photometric ops on the device), decode "
+                         "(JPEGs decoded, cropped and resized on the device too: the workers read bytes, header and "
+                         "parameters) (default: cpu gpu decode)")
+parser.add_argument("--lincls", action="store_true",
+                    help="also main_lincls.py as users run it on the photos: the linear probe's training and the kNN's "
+                         "feature extraction, against a no-grad forward of the trunk")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if present)")
 parser.add_argument("--workers", type=int, default=cli.default_workers(),
                     help="loader processes; 0 measures one core in this process (default: main_pretrain.py's, "
@@ -62,12 +89,17 @@ parser.add_argument("--skip-data", action="store_true", help="measure the traini
 parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
 args = parser.parse_args()
 device = torch.device(args.device)
+if args.cuda_graph and device.type != "cuda":
+    parser.error("--cuda-graph needs a CUDA device")
 torch.backends.cudnn.benchmark = True  # as main_pretrain.py
 amp_dtype = cli.AMP[args.amp]
 ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
        "torch": torch.__version__}
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
-               channels_last=args.channels_last, compile=args.compile, symmetric=args.symmetric)
+               channels_last=args.channels_last, compile=args.compile, symmetric=args.symmetric,
+               bn_splits=args.bn_splits if args.shuffle_bn else 1, cuda_graph=args.cuda_graph)
+MEMORY_FORMAT = torch.channels_last if args.channels_last else torch.contiguous_format
+REFERENCE = {}  # images/s of supervised_reference and ideal_asymmetric
 results = []
 
 
@@ -79,22 +111,6 @@ def report(**fields):
 def sync():
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def write_photos(root, count):
-    """ImageNet-like JPEGs: random crops of the two sample photos, 500x375, quality 98 (~100 KB)."""
-    from sklearn.datasets import load_sample_images
-    photos = load_sample_images().images
-    rng = np.random.default_rng(0)
-    os.makedirs(os.path.join(root, "photos"))
-    for i in range(count):
-        photo = photos[i % len(photos)]
-        h, w = photo.shape[:2]
-        ch, cw = int(h * rng.uniform(0.75, 1.0)), int(w * rng.uniform(0.75, 1.0))
-        top, left = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
-        img = Image.fromarray(photo[top:top + ch, left:left + cw]).resize((500, 375), Image.BICUBIC)
-        img.save(os.path.join(root, "photos", f"{i:05d}.jpg"), quality=98)
-    return root
 
 
 class Cycle(torch.utils.data.Dataset):
@@ -111,18 +127,19 @@ class Cycle(torch.utils.data.Dataset):
 
 
 def make_loader(dataset, augment, batches, workers=None):
-    views = MultiView([View("weak", args.crop_size, on_device=augment == "gpu"),
-                       View("strong", args.crop_size, on_device=augment == "gpu")])
+    views = MultiView([View("weak", args.crop_size, on_device=augment != "cpu"),
+                       View("strong", args.crop_size, on_device=augment != "cpu")])
     cycled = Cycle(dataset, batches * args.batch_size)
     return pretrain_loader(cycled, views, ResumableSampler(len(cycled), args.batch_size), args.batch_size,
                            args.workers if workers is None else workers, device, seed=0)
 
 
 def build_training():
+    """(Training, step function) as main_pretrain.py builds them: train_step, or its CUDA graph."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    model = SCE(losses.sce_loss, args.arch, args.small_input, [2048, 2048], 256, "affine", [],
-                queue, args.symmetric).to(device)
+    model = SCE(losses.sce_loss, args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim, args.proj_last_bn,
+                [], queue, args.symmetric, args.shuffle_bn, args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer("sgd", model, 0.1, 1e-4)
@@ -130,7 +147,57 @@ def build_training():
         compile_model(model)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     terms = functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07)  # logged every step, as main_pretrain.py
-    return Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
+    training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
+    if not args.cuda_graph:
+        return training, functools.partial(train_step, training)
+    lr_as_tensors(optimizer, device)
+    return training, GraphedStep(training, CudaGraphs(device), warmup=1)  # captured within the warmup steps
+
+
+def bench_references():
+    """supervised_reference: forward + backward + fused SGD step of a plain torchvision model of the
+    arch (plain BN, a 1000-way fc) on a cross-entropy; ideal_asymmetric: that plus a no-grad forward
+    of a second such model on the other view, the ideal of an asymmetric SCE step."""
+    def plain():
+        model, feat_dim = build_trunk(args.arch, args.small_input)
+        model.fc = torch.nn.Linear(feat_dim, 1000)
+        model = model.to(device, memory_format=MEMORY_FORMAT)
+        if args.compile:
+            model.compile()
+        return model
+    torch.manual_seed(0)
+    online, target = plain(), plain()
+    optimizer = torch.optim.SGD(online.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
+    views = synthetic_views()
+    labels = torch.randint(1000, (args.batch_size,), device=device)
+    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+    def supervised(_views, _m):
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(online(views[1]), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def ideal(_views, _m):
+        with torch.no_grad(), autocast:
+            target(views[0])
+        supervised(_views, _m)
+    for name, step in (("supervised_reference", supervised), ("ideal_asymmetric", ideal)):
+        seconds = time_steps(step, views)
+        REFERENCE[name] = args.batch_size / seconds
+        report(what=name, **SETTING, step_ms=round(1000 * seconds, 2), images_per_s=round(REFERENCE[name], 1))
+
+
+def of_references(images_per_s):
+    """Our images/s as a share of each reference's."""
+    return {f"of_{name}": round(images_per_s / rate, 3) for name, rate in REFERENCE.items()}
+
+
+def synthetic_views():
+    shape = (args.batch_size, 3, args.crop_size, args.crop_size)
+    return [torch.randn(shape, device=device).to(dtype=amp_dtype or torch.float32, memory_format=MEMORY_FORMAT)
+            for _ in range(2)]
 
 
 def bench_data(dataset, augment):
@@ -140,13 +207,14 @@ def bench_data(dataset, augment):
         next(batches)
     start = time.perf_counter()
     for _ in range(args.steps):
-        views, _, _ = next(batches)
+        batch = next(batches)
     seconds = time.perf_counter() - start
+    views = batch if isinstance(batch, dict) else batch[0]  # a dict: JPEGs still encoded (decode)
     device_ms = eager_ms = None
-    if augment == "gpu":  # the default (compiled on CUDA), then eager, on the last batch
+    if augment != "cpu":  # the default (compiled on CUDA), then eager, on the last batch
         device_ms = time_device_augment(views, compile=None)
         eager_ms = time_device_augment(views, compile=False)
-    if args.profile and augment == "gpu":
+    if args.profile and augment != "cpu":
         with torch.profiler.profile() as prof:
             views_to_device(views, device, amp_dtype, args.channels_last)
             sync()
@@ -168,106 +236,141 @@ def time_device_augment(views, compile):
     return round(1000 * (time.perf_counter() - start) / args.steps, 2)
 
 
-def time_steps(training, views):
+def time_steps(step, views):
+    """Seconds per call of step(views, momentum), after args.warmup untimed calls."""
     for _ in range(args.warmup):
-        train_step(training, views, 0.99)
+        step(views, 0.99)
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
-        train_step(training, views, 0.99)
+        step(views, 0.99)
     sync()
     return (time.perf_counter() - start) / args.steps
 
 
-def bench_train_step(training):
-    """Compute only: synthetic views already on the device, through train_step, with and without
-    the non-finite guard (its cost is the difference)."""
-    shape = (args.batch_size, 3, args.crop_size, args.crop_size)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    views = [torch.randn(shape, device=device).to(dtype=amp_dtype or torch.float32, memory_format=memory_format)
-             for _ in range(2)]
+def bench_train_step(training, step):
+    """Compute only: synthetic views already on the device, through the step, with and without
+    the non-finite guard (its cost is the difference; not measured on a captured graph)."""
+    views = synthetic_views()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    training.guard = False
-    unguarded_s = time_steps(training, views)
-    training.guard = True
-    step_s = time_steps(training, views)
-    fields = dict(what="train_step", **SETTING, step_ms=round(1000 * step_s, 2),
-                  images_per_s=round(args.batch_size / step_s, 1), step_ms_without_guard=round(1000 * unguarded_s, 2),
-                  guard_share=round((step_s - unguarded_s) / step_s, 4))
+    unguarded_s = None
+    if not args.cuda_graph:
+        training.guard = False
+        unguarded_s = time_steps(step, views)
+        training.guard = True
+    step_s = time_steps(step, views)
+    fields = dict(what="train_step", **SETTING, graph_captured=getattr(step, "replay", None) is not None,
+                  step_ms=round(1000 * step_s, 2),
+                  images_per_s=round(args.batch_size / step_s, 1), **of_references(args.batch_size / step_s))
+    if unguarded_s:
+        fields.update(step_ms_without_guard=round(1000 * unguarded_s, 2),
+                      guard_share=round((step_s - unguarded_s) / step_s, 4))
     if device.type == "cuda":
         fields["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
-    if not args.compile:  # (a compiled model would recompile for the small shape)
-        fields["host_step_ms"] = round(1000 * host_step_s(training, memory_format), 2)
+    if not args.compile and not args.cuda_graph:  # (a compiled model or a graph would not take the small shape)
+        fields["host_step_ms"] = round(1000 * host_step_s(step, training), 2)
     report(**fields)
     return args.batch_size / step_s
 
 
-def host_step_s(training, memory_format):
+def host_step_s(step, training):
     """The host's own time per step: the same step on up to 8 images of 64 px, whose GPU work is
     tiny, so the host's launches set the pace. Near step_ms, the host cannot keep ahead of the GPU.
     (On a CPU device it includes the small step's compute.)"""
     n = max(d for d in range(1, 9) if args.batch_size % d == 0)  # divides the batch, so the queue too
     size = min(64, args.crop_size)
-    views = [torch.randn(n, 3, size, size, device=device).to(amp_dtype or torch.float32, memory_format=memory_format)
+    views = [torch.randn(n, 3, size, size, device=device).to(amp_dtype or torch.float32, memory_format=MEMORY_FORMAT)
              for _ in range(2)]
     queue_ptr = training.model.queue_ptr.clone()  # n keys a step would misalign the pointer for the batch
-    seconds = time_steps(training, views)
+    seconds = time_steps(step, views)
     training.model.queue_ptr.copy_(queue_ptr)
     return seconds
 
 
-def run_pipeline(training, source):
-    """Views on the device (DeviceViews) then train_step, over the batches of `source`, as
-    main_pretrain.py runs them. Returns images/s, the share of time spent waiting for `source`,
-    and the iterator (4 batches left)."""
-    batches = DeviceViews(source, device, amp_dtype, args.channels_last)
+def run_pipeline(step, batches):
+    """The step over `batches` (views on the device: DeviceViews or preloaded), as main_pretrain.py
+    runs them. Returns images/s, the share of time spent waiting for the loader, and the iterator
+    (4 batches left)."""
     batches_iter = iter(batches)
     for _ in range(args.warmup):
         views, _, _ = next(batches_iter)
-        train_step(training, views, 0.99)
+        step(views, 0.99)
     sync()
     batches.wait_s, start = 0.0, time.perf_counter()
     for _ in range(args.steps):
         views, _, _ = next(batches_iter)
-        train_step(training, views, 0.99)
+        step(views, 0.99)
     sync()
     seconds = time.perf_counter() - start
     return args.steps * args.batch_size / seconds, batches.wait_s / seconds, batches_iter
 
 
-def bench_end_to_end(training, dataset, augment, compute_images_per_s, workers=None, profile=True):
-    """The loader (workers: default --workers), DeviceViews, then train_step; profiled under --profile
-    unless profile=False."""
-    workers = args.workers if workers is None else workers
-    loader = make_loader(dataset, augment, args.warmup + args.steps + 4, workers)
-    images_per_s, wait, batches_iter = run_pipeline(training, loader)
-    syncs, sites = count_host_syncs(training, batches_iter) if device.type == "cuda" else (None, None)
+def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None, profile=True):
+    """The loader (workers: default --workers), DeviceViews, then the step; profiled under --profile
+    unless profile=False. augment 'preload': `dataset` is an sce.preload.Images, no loader."""
+    workers = 0 if augment == "preload" else args.workers if workers is None else workers
+    if augment == "preload":
+        batches = PreloadedEpochs(dataset)
+    else:
+        loader = make_loader(dataset, augment, args.warmup + args.steps + 4, workers)
+        batches = DeviceViews(loader, device, amp_dtype, args.channels_last)
+    images_per_s, wait, batches_iter = run_pipeline(step, batches)
+    syncs, sites = count_host_syncs(step, batches_iter) if device.type == "cuda" else (None, None)
     if profile and args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
         with torch.profiler.profile() as prof:
             for _ in range(2):
                 views, _, _ = next(batches_iter)
-                train_step(training, views, 0.99)
+                step(views, 0.99)
             sync()
         print(f"end to end, augment {augment}, two steps:", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
     report(what="end_to_end", augment=augment, workers=workers, **SETTING,
            images_per_s=round(images_per_s, 1), data_wait_share=round(wait, 3),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None,
-           host_syncs_per_step=syncs, host_sync_sites=sites)
+           **of_references(images_per_s), host_syncs_per_step=syncs, host_sync_sites=sites)
 
 
-def bench_device_pipeline(training, dataset, compute_images_per_s):
+class PreloadedEpochs:
+    """sce.preload.PreloadedViews over as many epochs as asked (a few hundred images feed any number
+    of steps), with the views of main_pretrain.py's defaults (weak target, strong online)."""
+
+    def __init__(self, images):
+        self.images, self.wait_s = images, 0.0
+        if len(images) < args.batch_size:
+            raise SystemExit(f"error: {len(images)} preloaded images make no batch of {args.batch_size}")
+
+    def __iter__(self):
+        sampler = ResumableSampler(len(self.images), args.batch_size)
+        views = MultiView([View(aug, args.crop_size, on_device=True) for aug in ("weak", "strong")])
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from preload.PreloadedViews(self.images, views, sampler, 0, amp_dtype, args.channels_last)
+
+
+def preloaded_images(root):
+    """--data decoded once onto the device, else 4 batches of random images of --image-size."""
+    if args.data:
+        return preload.preload(build_dataset("imagefolder", root, "pretrain", as_tensor=True), device, required=True,
+                               workers=args.workers)
+    size = args.image_size or args.crop_size
+    g = torch.Generator().manual_seed(0)
+    return preload.Images(torch.randint(0, 256, (4 * args.batch_size, 3, size, size), generator=g,
+                                        dtype=torch.uint8).to(device))
+
+
+def bench_device_pipeline(step, dataset, compute_images_per_s):
     """End to end without the loader's CPU load: 4 of its batches (pinned), read once and cycled,
     through DeviceViews (device augmentation) and train_step. Against end_to_end, it tells the
     device side's cost from the host's (loader workers competing with the training process)."""
     cached = list(itertools.islice(iter(make_loader(dataset, "gpu", 4)), 4))
-    images_per_s, _, _ = run_pipeline(training, (cached[i % 4] for i in range(args.warmup + args.steps + 4)))
+    source = (cached[i % 4] for i in range(args.warmup + args.steps + 4))
+    images_per_s, _, _ = run_pipeline(step, DeviceViews(source, device, amp_dtype, args.channels_last))
     report(what="device_pipeline", augment="gpu", **SETTING, images_per_s=round(images_per_s, 1),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None)
 
 
-def count_host_syncs(training, batches_iter, steps=2):
+def count_host_syncs(step, batches_iter, steps=2):
     """Host-device synchronisations per step of the loop, and where: the innermost frame of this
     project (or of the DataLoader) under the warning torch's sync debug mode raises."""
     sites = []
@@ -288,10 +391,50 @@ def count_host_syncs(training, batches_iter, steps=2):
         try:
             for _ in range(steps):
                 views, _, _ = next(batches_iter)
-                train_step(training, views, 0.99)
+                step(views, 0.99)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return len(sites) / steps, sorted(set(sites))
+
+
+def bench_lincls(root, tmp):
+    """main_lincls.py as users run it (a subprocess, default flags but the epochs) on the photos, split in
+    two classes: images/s of the linear probe's training (its last progress line) and of the kNN's
+    feature extraction, against a no-grad forward of the same trunk on device tensors."""
+    import subprocess
+    data = os.path.join(tmp, "lincls")
+    photos = sorted(os.listdir(os.path.join(root, "photos")))
+    for split in ("train", "val"):
+        for c in range(2):
+            os.makedirs(os.path.join(data, split, f"c{c}"))
+            for name in photos[c::2]:
+                os.symlink(os.path.join(root, "photos", name), os.path.join(data, split, f"c{c}", name))
+    trunk, _ = build_trunk(args.arch, args.small_input)
+    torch.save(trunk.state_dict(), os.path.join(tmp, "trunk.pth"))
+    rates = {}
+    for what, extra in (("lincls_train", ["--epochs", "3", "--print-freq", "5"]), ("feature_extraction", ["--knn"])):
+        cmd = [sys.executable, os.path.join(ROOT, "main_lincls.py"), "--data", data, "--pretrained",
+               os.path.join(tmp, "trunk.pth"), "--arch", args.arch, "--crop-size", str(args.crop_size), "--batch-size",
+               str(args.batch_size), "--workers", str(args.workers), "--amp", args.amp, "--output-dir",
+               os.path.join(tmp, what)] + (["--small-input"] if args.small_input else []) + extra
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        found = re.findall(r"(\d+) images/s", out.stdout)
+        if out.returncode or not found:
+            raise SystemExit(f"error: {' '.join(cmd)} failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        rates[what] = float(found[-1])
+    trunk = trunk.to(device, memory_format=MEMORY_FORMAT).eval()
+    if args.compile:
+        trunk.compile()
+    views = synthetic_views()
+    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+    def forward(_views, _m):
+        with torch.no_grad(), autocast:
+            trunk(views[0])
+    forward_rate = args.batch_size / time_steps(forward, views)
+    report(what="forward_reference", **SETTING, images_per_s=round(forward_rate, 1))
+    for what, rate in rates.items():
+        report(what=what, **SETTING, images_per_s=rate, of_forward=round(rate / forward_rate, 3))
 
 
 def table():
@@ -302,10 +445,16 @@ def table():
             if r["device_ms_per_batch"] is not None:
                 other += f", device {r['device_ms_per_batch']} ms/batch ({r['device_ms_per_batch_eager']} eager)"
             print(f"| data | {r['augment']} | {r['loader_images_per_s']} | {other} |")
+        elif r["what"] in REFERENCE:
+            print(f"| {r['what']} | - | {r['images_per_s']} | {r['step_ms']} ms/step |")
+        elif r["what"] in ("forward_reference", "lincls_train", "feature_extraction"):
+            other = f"{100 * r['of_forward']:.1f}% of a no-grad forward" if "of_forward" in r else "no-grad trunk"
+            print(f"| {r['what']} | - | {r['images_per_s']} | {other} |")
         elif r["what"] == "train_step":
-            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, guard {100 * r['guard_share']:.2f}%"
+            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step"
+                  f"{', guard ' + format(100 * r['guard_share'], '.2f') + '%' if 'guard_share' in r else ''}"
                   f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''}"
-                  f"{', host ' + str(r['host_step_ms']) + ' ms/step' if 'host_step_ms' in r else ''} |")
+                  f"{', host ' + str(r['host_step_ms']) + ' ms/step' if 'host_step_ms' in r else ''}{ratios(r)} |")
         elif r["what"] == "device_pipeline":
             print(f"| device_pipeline | gpu | {r['images_per_s']} | cached batches, "
                   f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only |")
@@ -313,25 +462,36 @@ def table():
             syncs = "" if r["host_syncs_per_step"] is None else f", {r['host_syncs_per_step']} host syncs/step"
             print(f"| end_to_end | {r['augment']} | {r['images_per_s']} | workers {r['workers']}, "
                   f"data wait {100 * r['data_wait_share']:.1f}%, "
-                  f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only{syncs} |")
+                  f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only{ratios(r)}{syncs} |")
+
+
+def ratios(r):
+    return "".join(f", {r['of_' + name]:.2f}x {name}" for name in REFERENCE if "of_" + name in r)
 
 
 if args.workers == 0:  # the loader's work in this process: one core, as in a worker
     torch.set_num_threads(1)
 with tempfile.TemporaryDirectory() as tmp:
     root = args.data or write_photos(tmp, args.images)
-    datasets = {a: build_dataset("imagefolder", root, "pretrain", as_tensor=a == "gpu") for a in ("cpu", "gpu")}
+    datasets = {a: build_dataset("imagefolder", root, "pretrain", as_tensor=a != "cpu", encoded=a == "decode")
+                for a in ("cpu", "gpu", "decode")}
     if not args.skip_data:
         for augment in args.augment:
             bench_data(datasets[augment], augment)
     if not args.skip_train:
-        training = build_training()
-        compute = bench_train_step(training)
+        bench_references()
+        training, step = build_training()
+        compute = bench_train_step(training, step)
+        if args.preload:
+            bench_end_to_end(step, preloaded_images(root), "preload", compute)
         if not args.skip_data:
             for augment in args.augment:
-                bench_end_to_end(training, datasets[augment], augment, compute)
+                bench_end_to_end(step, datasets[augment], augment, compute)
             for workers in args.e2e_workers:
-                bench_end_to_end(training, datasets["gpu"], "gpu", compute, workers, profile=False)
+                for augment in {"gpu", "decode"} & set(args.augment):
+                    bench_end_to_end(step, datasets[augment], augment, compute, workers, profile=False)
             if "gpu" in args.augment:
-                bench_device_pipeline(training, datasets["gpu"], compute)
+                bench_device_pipeline(step, datasets["gpu"], compute)
+    if args.lincls:
+        bench_lincls(root, tmp)
 table()

@@ -67,7 +67,9 @@ class CocoInstances(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.ids)
 
-    def __getitem__(self, index):
+    def __getitem__(self, key):
+        """key: an index, or the (index, flip) pair of EpochSampler, which draws the training flips."""
+        index, flip = key if isinstance(key, tuple) else (key, False)
         img_id = self.ids[index]
         info = self.coco.imgs[img_id]
         image = Image.open(os.path.join(self.images, info["file_name"])).convert("RGB")
@@ -83,10 +85,30 @@ class CocoInstances(torch.utils.data.Dataset):
         keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])  # boxes outside the image
         image = pil_to_tensor(image).float() / 255
         target = {"boxes": boxes[keep], "labels": labels[keep], "masks": masks[keep], "image_id": img_id}
-        if self.train and torch.rand(()) < 0.5:
+        if flip:
             image, target["masks"] = image.flip(-1), target["masks"].flip(-1)
             target["boxes"][:, [0, 2]] = w - target["boxes"][:, [2, 0]]
         return image, target
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """(index, flip) pairs of this process: a shuffle and flips drawn from (seed, epoch) alone, its
+    share rank::world (the remainder dropped: every process takes as many steps), less the first
+    `skip`. A run resumed within an epoch so sees the images and flips an uninterrupted one would
+    have, whatever the global RNG or the data-loading workers did before."""
+
+    def __init__(self, size, seed, rank, world):
+        self.size, self.seed, self.rank, self.world = size, seed, rank, world
+        self.epoch, self.skip = 0, 0
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order, flips = torch.randperm(self.size, generator=g), torch.rand(self.size, generator=g) < 0.5
+        share = range(self.rank, self.size - self.size % self.world, self.world)[self.skip:]
+        return iter([(int(order[i]), bool(flips[i])) for i in share])
+
+    def __len__(self):
+        return self.size // self.world - self.skip
 
 
 def collate(batch):
@@ -224,32 +246,37 @@ def main():
         if world > 1 else model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp and device.type == "cuda")
+    amp = args.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
 
-    start_epoch, it = 0, 0
+    start_epoch, it, epoch_iter = 0, 0, 0  # epoch_iter: batches of start_epoch already trained on
     if args.resume:
         ckpt = load(last)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        start_epoch, it = ckpt["epoch"], ckpt["iter"]
-        log(f"=> resumed from {last} (epoch {start_epoch}, iteration {it})")
+        if ckpt.get("scaler"):  # {} from a run without --amp: the fresh scale stays
+            scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, it, epoch_iter = ckpt["epoch"], ckpt["iter"], ckpt.get("epoch_iter", 0)
+        if epoch_iter and (ckpt["args"]["batch_size"], ckpt.get("world")) != (args.batch_size, world):
+            raise UserError(f"{last} stopped within epoch {start_epoch}: resume it with --batch-size "
+                            f"{ckpt['args']['batch_size']} on {ckpt.get('world')} process(es), as it ran")
+        log(f"=> resumed from {last} (epoch {start_epoch} after its batch {epoch_iter}, iteration {it})")
 
-    sampler = (torch.utils.data.DistributedSampler(train_set, seed=args.seed) if world > 1
-               else torch.utils.data.RandomSampler(train_set))
+    sampler = EpochSampler(len(train_set), args.seed, du.rank(), world)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                                          num_workers=args.workers, collate_fn=collate,
                                          persistent_workers=args.workers > 0)
-    if len(loader) == 0:
+    per_epoch = len(loader)
+    if per_epoch == 0:
         raise UserError(f"{len(train_set)} training images make no batch of {args.batch_size} per process "
                         f"on {world} processes: lower --batch-size")
-    total = args.epochs * len(loader) if args.max_iters <= 0 else min(args.max_iters, args.epochs * len(loader))
+    total = args.epochs * per_epoch if args.max_iters <= 0 else min(args.max_iters, args.epochs * per_epoch)
     log(f"{len(train_set)} training images, {len(val_set)} evaluation images, "
         f"{len(train_set.cat_ids)} classes, {total} iterations on {world} process(es)")
 
     epoch = start_epoch
     while not args.eval_only and it < total and epoch < args.epochs:
-        if world > 1:
-            sampler.set_epoch(epoch)
+        sampler.epoch, sampler.skip = epoch, epoch_iter * args.batch_size  # resumed: the batches done are skipped
         model.train()
         start, done = time.time(), 0
         for images, targets in loader:
@@ -258,7 +285,7 @@ def main():
                 group["lr"] = lr
             images = [img.to(device, non_blocking=True) for img in images]
             targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
-            with torch.autocast(device.type, enabled=scaler.is_enabled()):
+            with torch.autocast(device.type, enabled=amp):
                 losses = ddp(images, targets)
             loss = sum(losses.values())
             if not math.isfinite(loss.item()):
@@ -267,17 +294,19 @@ def main():
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            it, done = it + 1, done + 1
+            it, done, epoch_iter = it + 1, done + 1, epoch_iter + 1
             if it % args.print_freq == 0 or it == total:
                 parts = "  ".join(f"{k} {v.item():.3f}" for k, v in losses.items())
                 log(f"epoch {epoch} iter {it}/{total}  lr {lr:.5f}  loss {loss.item():.3f}  {parts}  "
                     f"{(time.time() - start) / done:.2f} s/it")
             if it >= total:
                 break
-        epoch += 1
+        if epoch_iter == per_epoch:  # else --max-iters stopped within the epoch: a resume goes on in it
+            epoch, epoch_iter = epoch + 1, 0
         if du.is_main():
-            save_atomic({"kind": "detection", "epoch": epoch, "iter": it, "args": vars(args),
-                         "model": model.state_dict(), "optimizer": optimizer.state_dict()}, last)
+            save_atomic({"kind": "detection", "epoch": epoch, "epoch_iter": epoch_iter, "iter": it, "world": world,
+                         "args": vars(args), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict()}, last)
 
     ap_box, ap_mask, num_dets = evaluate(model, val_set, device, args)
     if du.is_main():

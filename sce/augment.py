@@ -112,6 +112,33 @@ def apply_photometric_pil(img, params):
     return img
 
 
+class Encoded:
+    """A JPEG file's bytes (uint8 tensor) and its (height, width) from the header: decoded later, on the
+    training device (sce.device_decode)."""
+
+    def __init__(self, data, size):
+        self.data, self.size = data, size
+
+
+class EncodedSample:
+    """The views of an Encoded image: its bytes, and per view a geometry row (crop_geometry) and the
+    packed photometric row; key: the sample's (epoch, index)."""
+
+    def __init__(self, data, geometry, params, key=None):
+        self.data, self.geometry, self.params, self.key = data, geometry, params, key
+
+
+def stand_in(img):
+    """A tensor of an Encoded image's size that allocates nothing, for torchvision's get_params."""
+    return torch.zeros(()).expand(3, *img.size)
+
+
+def crop_geometry(top, left, height, width, size, flip):
+    """A view's geometry as sce.device_decode applies it: the window (top, left, height, width)
+    resized to (size, size), all of it kept (window 0, 0), flipped or not."""
+    return torch.tensor([top, left, height, width, size, size, 0, 0, float(flip)])
+
+
 class View:
     """One view: random resized crop + flip, then the photometric ops of row `aug` of Table 2.
 
@@ -125,8 +152,14 @@ class View:
         self.aug, self.size, self.scale, self.on_device = aug, size, tuple(scale), on_device
 
     def __call__(self, img):
-        """img: a PIL image, or for on_device views its uint8 tensor (3, H, W)."""
-        top, left, height, width = T.RandomResizedCrop.get_params(img, self.scale, (3 / 4, 4 / 3))
+        """img: a PIL image, or for on_device views its uint8 tensor (3, H, W) or an Encoded JPEG (then the
+        crop is the device's: its geometry row comes back instead, from the same draws)."""
+        encoded = isinstance(img, Encoded)
+        top, left, height, width = T.RandomResizedCrop.get_params(stand_in(img) if encoded else img, self.scale,
+                                                                  (3 / 4, 4 / 3))
+        if encoded:
+            flip = bool(torch.rand(1) < 0.5)
+            return crop_geometry(top, left, height, width, self.size, flip), pack_params(draw_photometric(self.aug))
         if self.on_device:  # torch's uint8 antialiased resize: ~3x faster than PIL's, within 1 level of it
             crop = TF.resized_crop(img, top, left, height, width, [self.size, self.size], antialias=True)
             if torch.rand(1) < 0.5:
@@ -148,6 +181,9 @@ class MultiView:
         self.on_device = any(getattr(t, "on_device", False) for t in transforms)
 
     def __call__(self, img):
+        if isinstance(img, Encoded):
+            geometry, params = zip(*[t(img) for t in self.transforms])
+            return EncodedSample(img.data, list(geometry), list(params))
         if self.on_device and not torch.is_tensor(img):  # one uint8 tensor for every view to crop from
             img = F.pil_to_tensor(img)
         elif torch.is_tensor(img) and not self.on_device:

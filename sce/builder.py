@@ -46,7 +46,10 @@ class SplitBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Batch norm whose training statistics come from `splits` consecutive equal chunks of the batch,
     as if it were spread over that many GPUs: shuffle-BN on one GPU (the SCE authors' small-dataset
     runs use 8). The running statistics move by the mean of the chunks' updates. Parameters and
-    buffers are BatchNorm's, so checkpoints and evaluation do not change."""
+    buffers are BatchNorm's, so checkpoints and evaluation do not change.
+
+    One batch_norm call: the chunks are laid side by side as `splits` x C channels of a batch of
+    N / splits (one copy each way, in the input's memory format), not a loop over the chunks."""
 
     def __init__(self, bn, splits):
         super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
@@ -60,17 +63,39 @@ class SplitBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x):
         if not self.training or self.splits == 1:
             return super().forward(x)
-        if len(x) % self.splits:
-            raise ValueError(f"a batch of {len(x)} does not split into {self.splits} equal chunks")
-        means = [self.running_mean.clone() for _ in range(self.splits)]
-        variances = [self.running_var.clone() for _ in range(self.splits)]
-        out = torch.cat([F.batch_norm(chunk, mean, var, self.weight, self.bias, True, self.momentum, self.eps)
-                         for chunk, mean, var in zip(x.chunk(self.splits), means, variances)])
+        s, (n, c) = self.splits, x.shape[:2]
+        if n % s:
+            raise ValueError(f"a batch of {n} does not split into {s} equal chunks")
+        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
+        weight, bias = (self.weight.repeat(s), self.bias.repeat(s)) if self.affine else (None, None)
+        out = F.batch_norm(chunks_as_channels(x, s), mean, var, weight, bias, True, self.momentum, self.eps)
         with torch.no_grad():
-            self.running_mean.copy_(torch.stack(means).mean(0))
-            self.running_var.copy_(torch.stack(variances).mean(0))
+            self.running_mean.copy_(mean.view(s, c).mean(0))
+            self.running_var.copy_(var.view(s, c).mean(0))
             self.num_batches_tracked.add_(1)
-        return out
+        return channels_as_chunks(out, s)
+
+
+def _channels_last(x):
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def chunks_as_channels(x, s):
+    """(N, C, ...) -> (N / s, s * C, ...): chunk j of the batch becomes channels j * C ... (j + 1) * C - 1."""
+    n, c, *rest = x.shape
+    if _channels_last(x):  # keep channels last: (N / s, H, W, s, C) in memory
+        return x.reshape(s, n // s, c, *rest).permute(1, 3, 4, 0, 2).reshape(n // s, *rest, s * c).permute(0, 3, 1, 2)
+    return x.reshape(s, n // s, c, *rest).transpose(0, 1).reshape(n // s, s * c, *rest)
+
+
+def channels_as_chunks(y, s):
+    """The inverse of chunks_as_channels."""
+    m, sc, *rest = y.shape
+    c = sc // s
+    if _channels_last(y):
+        return y.permute(0, 2, 3, 1).reshape(m, *rest, s, c).permute(3, 0, 1, 2, 4).reshape(s * m, *rest, c) \
+            .permute(0, 3, 1, 2)
+    return y.reshape(m, s, c, *rest).transpose(0, 1).reshape(s * m, c, *rest)
 
 
 def split_batch_norm(module, splits):
@@ -167,7 +192,7 @@ class SCE(nn.Module):
         # shuffle-BN (MoCo): BN statistics of the keys come from a random subset of the global
         # batch; on one process the split BN layers make the subsets
         x_all = du.all_gather(x)
-        perm = du.broadcast(torch.randperm(len(x_all), device=x.device))
+        perm = du.broadcast(torch.rand(len(x_all), device=x.device).argsort())  # randperm: not in a CUDA graph
         world, rank = du.world_size(), du.rank()
         out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))
         return out[torch.argsort(perm)].chunk(world)[rank]

@@ -94,6 +94,26 @@ def add_amp_arg(parser):
                         f"switch: fp16 on GPU, bf16 on CPU (here {const})")
 
 
+def add_compile_arg(parser):
+    """--compile / --no-compile of the frozen trunk; None (auto) is resolved by sce.engine.resolve_compile."""
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the trunk; a failed compile warns and runs eagerly (default: on CUDA "
+                             "with Triton; off on CPU, where compiling a ResNet takes minutes)")
+
+
+def add_decode_arg(parser):
+    """--decode auto|device|loader of the evaluation scripts; auto is resolved by resolve_decode."""
+    parser.add_argument("--decode", default="auto", choices=["auto", "device", "loader"],
+                        help="device: JPEG files decoded, resized and cropped on the device (the GPU's JPEG engines; "
+                             "other files by the workers); loader: all by the loader's workers; auto: device on a GPU")
+
+
+def resolve_decode(decode, device):
+    """--decode auto: device where torchvision decodes JPEGs on it (a GPU), else loader."""
+    from sce.device_decode import available
+    return ("device" if available(device) else "loader") if decode == "auto" else decode
+
+
 def autocast(device, amp):
     """torch.autocast for an --amp value ('none' turns it off)."""
     return torch.autocast(device.type, dtype=AMP[amp], enabled=AMP[amp] is not None)
@@ -196,10 +216,13 @@ def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, 
         except Exception as e:  # a truncated or foreign file: compute it again
             print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
     from sce.knn import extract_features  # here: sce.knn uses this module's progress lines
+    from sce.device_decode import decoded_loader
+    from sce.loader import collate_views
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda")
+                        pin_memory=device.type == "cuda", collate_fn=collate_views)
     with autocast(device, amp):
-        feats, _ = extract_features(trunk, loader, device, normalize=False, name=f"{split} features")
+        feats, _ = extract_features(trunk, decoded_loader(loader, device), device, normalize=False,
+                                    name=f"{split} features")
     feats = feats.cpu()
     os.makedirs(output_dir, exist_ok=True)
     save_atomic({"key": key, "features": feats}, path)

@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from sce import device_decode
 from sce.augment import BLUR_SIGMA, MEAN, STD, any_photometric, blur_kernel_size, unpack_params
 
 BLUR_PAD = blur_kernel_size(BLUR_SIGMA[1]) // 2  # taps each side for the largest sigma
@@ -156,6 +157,10 @@ def run_compiled(fn, *args, compile=True):
         return fn(*args)
     if fn.__name__ not in COMPILED:
         COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+        # one compile per view (size, Table 2 row): multi-crop's 6 views and their dtypes pass dynamo's default of 8
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))
     try:
         return COMPILED[fn.__name__](*args)
     except Exception as e:  # noqa: BLE001: whatever stopped the compiled call ...
@@ -168,7 +173,8 @@ def run_compiled(fn, *args, compile=True):
 
 
 def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
-    """A view batch ready for the model: uint8 crops (N, 3, H, W) and packed parameter rows
+    """A view batch ready for the model: crops (N, 3, H, W) in [0, 255] (uint8, or float from
+    sce.device_decode) and packed parameter rows
     (N, 12) from the loader -> the device, photometric ops, normalisation, then the dtype and
     memory format asked for. compile (default: on CUDA): run the ops compiled."""
     crops = crops.to(device, non_blocking=True)
@@ -184,9 +190,14 @@ def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
     return run_compiled(augment_batch, crops, rows, scale, shift, *settings, compile=compile)
 
 
-def views_to_device(views, device, dtype=None, channels_last=False, compile=None):
+def views_to_device(views, device, dtype=None, channels_last=False, compile=None, refetch=None):
     """The loader's views, ready on the training device: normalised views (--augment cpu) are
-    moved there; (uint8 crops, parameters) pairs (--augment gpu) are augmented there (compile: see augment)."""
+    moved there; (uint8 crops, parameters) pairs (--augment gpu) are augmented there (compile: see
+    augment); a batch of encoded JPEGs (--decode gpu, a dict) is decoded, cropped and augmented there
+    (refetch: sce.device_decode.pretrain_views)."""
+    if isinstance(views, dict):
+        crops, params = device_decode.pretrain_views(views, torch.device(device), refetch)
+        return [augment(x, p, device, dtype, channels_last, compile) for x, p in zip(crops, params)]
     memory_format = torch.channels_last if channels_last else torch.preserve_format
     out = []
     for view in views:
@@ -215,6 +226,8 @@ class DeviceViews:
         start = time.perf_counter()
         batch = next(batches, None)
         self.wait_s += time.perf_counter() - start
+        if isinstance(batch, dict):  # encoded JPEGs: decoded on the current stream, in views_to_device
+            return batch, batch["bad"], batch["reasons"]
         if batch is None or stream is None:
             return batch
         views, *rest = batch
@@ -234,8 +247,9 @@ class DeviceViews:
                 ahead = self._fetch(batches, stream)  # the next batch's copy overlaps this step
                 current = torch.cuda.current_stream(self.device)
                 current.wait_event(copied)
-                for view in views:  # copied on the side stream, used on this one
+                for view in views if not isinstance(views, dict) else []:  # copied on the side stream, used here
                     (view[0] if isinstance(view, (list, tuple)) else view).record_stream(current)
-            yield (views_to_device(views, self.device, self.dtype, self.channels_last), *rest)
+            refetch = getattr(getattr(self.loader, "dataset", None), "decoded", None)
+            yield (views_to_device(views, self.device, self.dtype, self.channels_last, refetch=refetch), *rest)
             if not stream:
                 ahead = self._fetch(batches, None)

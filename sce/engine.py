@@ -11,6 +11,8 @@ import dataclasses
 import importlib.util
 import os
 import shutil
+import time
+import warnings
 
 import torch
 
@@ -28,6 +30,7 @@ class Training:
     bn_stats: list = None  # running means and variances of every BN layer; filled from the model
     guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
     terms: object = None  # f(q, k, queue) -> the logged terms of eq. 10 (losses.loss_terms), or None
+    autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (GraphedStep)
 
     def __post_init__(self):
         if self.bn_stats is None:
@@ -39,7 +42,8 @@ def train_step(t, views, momentum):
     """One optimizer step on device views. Returns (loss, finite, terms), device tensors; terms
     (t.terms of the first (target, query) pair, or None) are computed here so benchmarks time them."""
     device = views[0].device
-    autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None)
+    autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None,
+                              cache_enabled=t.autocast_cache)
     stats = torch.cat([s.flatten() for s in t.bn_stats]) if t.guard and t.bn_stats else None
     with autocast:
         loss, outputs = t.ddp_model(views)
@@ -88,6 +92,81 @@ def restore_unless_finite(tensors, backup, finite):
     torch._foreach_copy_(tensors, list(kept.split([t.numel() for t in tensors])))
 
 
+class GraphedStep:
+    """train_step(training, views, momentum) replayed from a CUDA graph: one launch for the whole step
+    (forward, backward, optimizer, EMA, queue, non-finite guard, logged terms) instead of hundreds,
+    which is what a small model on small images is bound by.
+
+    The first `warmup` calls are ordinary eager steps (on a side stream, as capture requires); the
+    next call captures the step on static copies of its inputs, then replays it; from then on each call
+    copies the views in and replays. What changes from step to step reaches the graph through device
+    tensors filled in place: the lr (lr_as_tensors, then set_lr), the EMA momentum (filled here) and
+    lambda (the criterion's tensor, filled by the caller). Outputs are the graph's static tensors,
+    overwritten by the next call. If the capture fails, one warning and eager steps from then on.
+    `graphs`: the capture mechanism (CudaGraphs; tests use a CPU stand-in)."""
+
+    def __init__(self, training, graphs, warmup=3):
+        self.t, self.graphs, self.warmup = training, graphs, warmup
+        self.calls, self.replay, self.outputs, self.failed = 0, None, None, False
+        self.capture_s = None  # seconds the capture took, once done
+        training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs notes)
+
+    def __call__(self, views, momentum):
+        self.calls += 1
+        if self.replay is None and not self.failed and self.calls > self.warmup:
+            self._capture(views)
+        fits = self.replay is not None and all(s.shape == v.shape and s.dtype == v.dtype and s.stride() == v.stride()
+                                               for s, v in zip(self.views, views)) and len(views) == len(self.views)
+        if not fits:  # before the capture, or views of another shape: an eager step
+            return self.graphs.eager(lambda: train_step(self.t, views, momentum))
+        for static, view in zip(self.views, views):
+            static.copy_(view)
+        self.momentum.fill_(momentum)
+        self.replay()
+        return self.outputs()
+
+    def _capture(self, views):
+        start = time.time()
+        self.views = [v.clone() for v in views]
+        self.momentum = torch.zeros((), device=views[0].device)
+        try:
+            self.replay, self.outputs = self.graphs.capture(lambda: train_step(self.t, self.views, self.momentum))
+        except Exception as e:  # noqa: BLE001: whatever stopped the capture, the eager step still works
+            self.replay, self.failed = None, True
+            warnings.warn(f"CUDA graph capture of the training step failed ({error_line(e)}): running it eagerly")
+            return
+        self.capture_s = time.time() - start
+
+
+class CudaGraphs:
+    """torch.cuda.graphs for GraphedStep: eager steps on a side stream, capture into a CUDAGraph."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+
+    def eager(self, fn):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def capture(self, fn):
+        """(replay, outputs): replay() runs the captured work; outputs() its static output tensors."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the loader's pin-memory thread may call CUDA (cudaHostAlloc) during the capture
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, lambda: out
+
+
+def lr_as_tensors(optimizer, device):
+    """Each group's lr as a device tensor, which sce.optim.set_lr fills in place (a CUDA graph reads it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), device=device)
+
+
 def check_compile(device):
     """A one-line error, before any work, where torch.compile cannot run."""
     fix = "drop --compile"
@@ -105,3 +184,97 @@ def compile_model(model):
     for module in (model.encoder, model.projector, model.predictor, model.momentum_encoder,
                    model.momentum_projector):
         module.compile()
+
+
+def resolve_compile(flag, device):
+    """--compile (True), --no-compile (False) or auto (None) -> whether to compile: auto is on where
+    it pays, CUDA with Triton, and off on CPU (Inductor's C++ build of a ResNet takes minutes there)."""
+    if flag:
+        check_compile(device)  # asked for where it cannot run: one line
+        return True
+    return (flag is None and device.type == "cuda" and torch._dynamo.is_dynamo_supported()
+            and importlib.util.find_spec("triton") is not None)
+
+
+def error_line(e):
+    """The cause of an error in one line; of a failed compile, the compiler's (BackendCompilerFailed wraps it)."""
+    e = getattr(e, "inner_exception", e)
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def revert_to_eager(model):
+    """Undo nn.Module.compile on `model` and its submodules."""
+    for module in model.modules():
+        module._compiled_call_impl = None
+
+
+class CompileFallback:
+    """The training step of compiled modules, eager again if compiling fails. torch.compile compiles
+    at the first call, the backward at the first backward; during the first `watch` calls the model,
+    optimizer, scaler and RNG states are copied (to host memory) before each call. If a call raises,
+    they are put back, the modules turn eager and the same call runs again; then one warning names
+    the cause. An error of the eager call is not the compiler's: it propagates. After `watch` calls
+    that passed, no more copies."""
+
+    def __init__(self, step, training, watch=3):
+        self.step, self.t, self.watch = step, training, watch
+        self.failed = None  # the cause, once compiling failed
+
+    def __getattr__(self, name):  # the wrapped step's attributes (GraphedStep.capture_s)
+        return getattr(self.__dict__["step"], name)
+
+    def __call__(self, *args):
+        if self.watch <= 0:
+            return self.step(*args)
+        self.watch -= 1
+        saved = self._save()
+        try:
+            return self.step(*args)
+        except Exception as e:  # noqa: BLE001: whatever stopped the compiled step, the eager one decides
+            self.watch = 0
+            self._restore(saved)
+            revert_to_eager(self.t.model)
+            out = self.step(*args)
+            self.failed = error_line(e)
+            warnings.warn(f"--compile: torch.compile of the training step failed ({self.failed}): running it eagerly")
+            return out
+
+    def _save(self):
+        t, cpu = self.t, lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+        cuda = next(t.model.parameters()).is_cuda
+        return dict(model={k: cpu(v) for k, v in t.model.state_dict().items()},
+                    optimizer={p: {k: cpu(v) for k, v in s.items()} for p, s in t.optimizer.state.items()},
+                    scaler=t.scaler.state_dict() if t.scaler else None, rng=torch.get_rng_state(),
+                    cuda_rng=torch.cuda.get_rng_state_all() if cuda else None)
+
+    def _restore(self, saved):
+        t = self.t
+        if saved["cuda_rng"] is not None:
+            torch.cuda.synchronize()  # the failed step may still run on a side stream (CudaGraphs.eager)
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        t.model.load_state_dict(saved["model"])  # copied in place: the optimizer keeps its parameters
+        for p in list(t.optimizer.state):  # in place too: a CUDA graph captured later reads these buffers
+            old, new = t.optimizer.state[p], saved["optimizer"].get(p, {})
+            t.optimizer.state[p] = {k: old[k].copy_(v) if torch.is_tensor(v) and torch.is_tensor(old.get(k))
+                                    else v for k, v in new.items()}
+        if t.scaler:
+            t.scaler.load_state_dict(saved["scaler"])
+        torch.set_rng_state(saved["rng"])
+
+
+def compile_trunk(module):
+    """torch.compile a frozen trunk in place (state-dict keys kept). In eval mode it changes no state,
+    so a compiled call that fails is simply redone eagerly: one warning, and the module stays eager."""
+    module.compile()
+    compiled = module._compiled_call_impl
+
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001: whatever stopped the compiled call, the eager one decides
+            module._compiled_call_impl = None
+            out = module._call_impl(*args, **kwargs)
+            warnings.warn(f"--compile: torch.compile of the trunk failed ({error_line(e)}): running it eagerly")
+            return out
+    module._compiled_call_impl = call
+    return module

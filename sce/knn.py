@@ -16,6 +16,9 @@ from torch.utils.data import DataLoader, Sampler, Subset
 
 from sce import UserError, cli
 from sce import distributed as du
+from sce.device_decode import decoded_loader
+from sce.loader import collate_views
+from sce.preload import Images, PreloadedBatches
 
 
 class Shard(Sampler):
@@ -100,20 +103,24 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
 def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, batch_size=256, workers=4,
                  max_train=None, seed=0):
     """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train
-    images if given), measured on val_set; called by every rank, the same result on each."""
+    images if given), measured on val_set; called by every rank, the same result on each. The sets:
+    datasets of normalised images, sce.device_decode.DecodedEval (JPEGs decoded on the device), or
+    sce.preload.Images on the device."""
     if max_train and max_train < len(train_set):
-        train_set = Subset(train_set, torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
-                           [:max_train].tolist())
+        keep = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))[:max_train]
+        train_set = train_set.subset(keep) if isinstance(train_set, Images) else Subset(train_set, keep.tolist())
     if min(len(train_set), len(val_set)) < du.world_size():  # every rank raises: none waits for an empty shard
         raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
 
     def features(dataset, name):
-        # a private generator: the loader would otherwise draw its seed from the global RNG, which the
-        # training draws from too (exact resume)
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=Shard(len(dataset)), num_workers=workers,
-                            pin_memory=device.type == "cuda", generator=torch.Generator())
-        return extract_features(trunk, loader, device, name=name)
+        if isinstance(dataset, Images):  # preloaded on the device (sce.preload)
+            loader = PreloadedBatches(dataset, Shard(len(dataset)), batch_size)
+        else:  # a private generator: from the global RNG, the training's draws would move (exact resume)
+            loader = DataLoader(dataset, batch_size=batch_size, sampler=Shard(len(dataset)), num_workers=workers,
+                                pin_memory=device.type == "cuda", generator=torch.Generator(),
+                                collate_fn=collate_views)
+        return extract_features(trunk, decoded_loader(loader, device), device, name=name)
     bank, bank_labels = features(train_set, "train features")
     queries, labels = (gather_rows(x) for x in features(val_set, "val features"))
     return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)

@@ -20,7 +20,7 @@ except ImportError:
     decode_jpeg = None
 
 from sce import UserError
-from sce.augment import MEAN, STD
+from sce.augment import MEAN, STD, Encoded, EncodedSample
 from sce.preemption import ignore_stop_signals
 
 IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
@@ -43,10 +43,63 @@ def pretrain_loader(dataset, views, sampler, batch_size, workers, device, seed):
     return torch.utils.data.DataLoader(
         PretrainDataset(dataset, views, seed), batch_size=batch_size, sampler=sampler, num_workers=workers,
         pin_memory=device.type == "cuda", drop_last=True, worker_init_fn=init_pretrain_worker,
-        persistent_workers=workers > 0,
+        persistent_workers=workers > 0, collate_fn=collate_views,
         # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
         # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
         generator=torch.Generator().manual_seed(seed))
+
+
+# native resolution of the built-in small and medium datasets (the paper evaluates them at it)
+NATIVE_SIZE = {"cifar10": 32, "cifar100": 32, "stl10": 96, "tiny-imagenet": 64}
+
+
+def eval_crop_size(given, small_input, ckpt_args=None, dataset="imagefolder"):
+    """The input size of an evaluation and why: (size, reason, warning or None).
+
+    A small-input trunk (3x3 stride-1 stem) is evaluated at the crop size it was pretrained with,
+    as recorded in its checkpoint, else at its dataset's native size; an ImageNet-stem trunk at
+    the native size of a built-in dataset, else at the protocol's 224. A --crop-size given for a
+    small-input trunk more than 2x away from its pretraining size is allowed, with a warning."""
+    recorded = (ckpt_args or {}).get("crop_size") if small_input else None
+    if given:
+        far = recorded and not recorded / 2 <= given <= recorded * 2
+        warning = (f"warning: --crop-size {given} is more than 2x away from the {recorded} px this small-input "
+                   f"trunk was pretrained at: its features are those of images of another scale" if far else None)
+        return given, "--crop-size", warning
+    if recorded:
+        return recorded, "the crop size the small-input trunk was pretrained with", None
+    if dataset in NATIVE_SIZE:
+        return NATIVE_SIZE[dataset], f"the native size of {dataset}", None
+    return 224, "the protocol's 224", None
+
+
+def collate_views(samples):
+    """The collate_fn of every loader that may meet an encoded JPEG (sce.device_decode): samples are
+    (views, bad, reason) in pretraining, (image, target) in evaluation. With no EncodedSample among
+    them, torch's default_collate. Else a dict: jpeg (the bytes of the encoded samples), encoded /
+    decoded (their places in the batch), sizes (of the views), geometry (per view, (n_encoded, 9), on
+    the host), images (per view, the decoded samples' tensors: uint8 crops in pretraining, normalised
+    images in evaluation), keys; pretraining: params (per view, (N, 12) in batch order), bad, reasons;
+    evaluation: targets."""
+    first = [s[0] for s in samples]
+    encoded = [i for i, x in enumerate(first) if isinstance(x, EncodedSample)]
+    if not encoded:
+        return torch.utils.data.default_collate(samples)
+    decoded = [i for i, x in enumerate(first) if not isinstance(x, EncodedSample)]
+    views = range(len(first[encoded[0]].geometry))
+    batch = dict(jpeg=[first[i].data for i in encoded], encoded=torch.tensor(encoded),
+                 decoded=torch.tensor(decoded, dtype=torch.long),
+                 keys=[first[i].key for i in encoded], sizes=[int(first[encoded[0]].geometry[v][4]) for v in views],
+                 geometry=[torch.stack([first[i].geometry[v] for i in encoded]) for v in views])
+    if len(samples[0]) == 3:  # pretraining: a decoded sample's views are (uint8 crop, packed row) pairs
+        batch["images"] = [torch.stack([first[i][v][0] for i in decoded]) if decoded else None for v in views]
+        batch["params"] = [torch.stack([x.params[v] if isinstance(x, EncodedSample) else x[v][1] for x in first])
+                           for v in views]
+        batch["bad"], batch["reasons"] = torch.tensor([s[1] for s in samples]), [s[2] for s in samples]
+    else:  # evaluation: a decoded sample is its normalised image
+        batch["images"] = [torch.stack([first[i] for i in decoded]) if decoded else None]
+        batch["targets"] = torch.tensor([int(s[1]) for s in samples])
+    return batch
 
 
 def eval_transform(train, crop_size=224, small=False):
@@ -81,13 +134,17 @@ def to_rgb(img):
 
 
 def load_rgb_tensor(path):
-    """load_rgb as a uint8 tensor (3, H, W), for the loader of --augment gpu. A colour or gray JPEG
-    (most photo datasets) decodes straight into the tensor with torchvision's libjpeg-turbo: the
-    same pixels as PIL's with the wheels of requirements.txt (tested), for ~8% less loader work per
-    image (benchmarks/bench_pretrain.py). Unlike PIL, libjpeg prints its warnings about damaged
-    data ("Corrupt JPEG data: ...") on stderr, at each read of such a file."""
+    """load_rgb as a uint8 tensor (3, H, W), for the loader of --augment gpu (decode_rgb_tensor)."""
     with open(path, "rb") as f:
-        data = f.read()
+        return decode_rgb_tensor(f.read())
+
+
+def decode_rgb_tensor(data):
+    """An image file's bytes as a uint8 RGB tensor (3, H, W). A colour or gray JPEG (most photo
+    datasets) decodes straight into the tensor with torchvision's libjpeg-turbo: the same pixels as
+    PIL's with the wheels of requirements.txt (tested), for ~8% less loader work per image
+    (benchmarks/bench_pretrain.py). Unlike PIL, libjpeg prints its warnings about damaged data
+    ("Corrupt JPEG data: ...") on stderr, at each read of such a file."""
     img = Image.open(io.BytesIO(data))  # parses the header only
     if decode_jpeg and img.format == "JPEG" and img.mode in ("RGB", "L"):
         try:
@@ -98,13 +155,32 @@ def load_rgb_tensor(path):
     return TF.pil_to_tensor(to_rgb(img))
 
 
-class Folder(ImageFolder):
-    """ImageFolder that reads with load_rgb (load_rgb_tensor: as_tensor), tolerates empty class
-    folders, and can keep only the classes of a list file (ImageNet100)."""
+def read_header(data):
+    """(format, mode, (height, width), progressive) of an image file's bytes, from its header alone."""
+    img = Image.open(io.BytesIO(data))
+    return img.format, img.mode, (img.height, img.width), bool(img.info.get("progressive"))
 
-    def __init__(self, root, transform=None, classes=None, as_tensor=False):
+
+def read_encoded(path):
+    """A baseline colour or gray JPEG, which a GPU decodes (sce.device_decode), as an Encoded: its bytes
+    and its size from the header; any other file (PNG, progressive or CMYK JPEG, ...) decoded here into
+    a uint8 tensor (3, H, W), as load_rgb_tensor."""
+    with open(path, "rb") as f:
+        data = f.read()
+    fmt, mode, size, progressive = read_header(data)
+    if decode_jpeg and fmt == "JPEG" and mode in ("RGB", "L") and not progressive:
+        return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size)
+    return decode_rgb_tensor(data)
+
+
+class Folder(ImageFolder):
+    """ImageFolder that reads with load_rgb (load_rgb_tensor: as_tensor; read_encoded: encoded),
+    tolerates empty class folders, and can keep only the classes of a list file (ImageNet100)."""
+
+    def __init__(self, root, transform=None, classes=None, as_tensor=False, encoded=False):
         self.keep = classes
-        super().__init__(root, transform=transform, loader=load_rgb_tensor if as_tensor else load_rgb,
+        loader = read_encoded if encoded else load_rgb_tensor if as_tensor else load_rgb
+        super().__init__(root, transform=transform, loader=loader,
                          allow_empty=True)
         if not self.samples:
             raise UserError(f"no images found under {root}: expected one sub-folder of images "
@@ -202,9 +278,10 @@ def read_stl10(root, split, transform=None):
     return _torchvision_dataset(STL10Files, root, "STL10", split=split, transform=transform)
 
 
-def build_dataset(name, root, split="train", transform=None, class_list=None, as_tensor=False):
+def build_dataset(name, root, split="train", transform=None, class_list=None, as_tensor=False, encoded=False):
     """split: 'pretrain' (STL10: train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10).
-    as_tensor: image files come as uint8 tensors (load_rgb_tensor); the others stay PIL images."""
+    as_tensor: image files come as uint8 tensors (load_rgb_tensor); the others stay PIL images.
+    encoded: baseline JPEG files come encoded, for the device's decoder (read_encoded)."""
     if not root or not os.path.exists(root):
         raise UserError(f"data path {root!r} does not exist: pass --data DIR")
     if name not in DATASETS:
@@ -227,7 +304,7 @@ def build_dataset(name, root, split="train", transform=None, class_list=None, as
         if name == "imagenet100":
             with open(class_list or IMAGENET100) as f:
                 keep = f.read().split()
-        return Folder(sub, transform, keep, as_tensor)
+        return Folder(sub, transform, keep, as_tensor, encoded)
     return ds
 
 
@@ -253,12 +330,20 @@ class PretrainDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
+        return self.sample(key, lambda i: self.dataset[i][0])
+
+    def decoded(self, key):
+        """The sample of `key` with its image decoded here, whatever the dataset's loader (an image the
+        device's decoder could not read, sce.device_decode)."""
+        return self.sample(key, lambda i: load_rgb_tensor(self.dataset.path(i)))
+
+    def sample(self, key, read):
         epoch, index = key
         bad, reason = -1, ""
         for attempt in range(len(self.dataset)):
             i = (index + attempt) % len(self.dataset)
             try:
-                img = self.dataset[i][0]
+                img = read(i)
                 break
             except Exception as e:  # decode errors come as many exception types
                 if bad < 0:
@@ -270,6 +355,8 @@ class PretrainDataset(Dataset):
             # stack trace, in every worker (0.5 ms a sample)
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             views = self.transform(img)
+        if isinstance(views, EncodedSample):
+            views.key = key
         return views, bad, reason
 
 

@@ -80,6 +80,7 @@ def load_optimizer_state(optimizer, state):
     versions hold foreach SGD groups, and LARS groups whose weight decay SGD would apply)."""
     optimizer.load_state_dict(state)
     for group in optimizer.param_groups:
+        group["lr"] = float(group["lr"])  # a CUDA-graph run saves its lr tensors; set_lr decides again
         for key, value in optimizer.defaults.items():  # keys SGD has and the old LARS did not save
             group.setdefault(key, value)
         group["fused"], group["foreach"] = True, None
@@ -98,7 +99,10 @@ def cosine_lr(step, total_steps, base_lr, warmup_steps=0):
 
 def set_lr(optimizer, lr):
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):  # in place: a CUDA graph of the step reads this tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def scheduled(step, total_steps, value, end=None, kind="constant", warmup_steps=0, warmup_start=None):

@@ -9,7 +9,7 @@ from PIL import Image, ImageDraw
 from sce import UserError
 from sce.augment import MEAN, STD
 from sce.device_augment import views_to_device
-from sce.loader import PretrainDataset
+from sce.loader import PretrainDataset, collate_views
 
 HEADER = 16  # px of label above each column
 
@@ -50,8 +50,9 @@ def write_preview(args, dataset, views, device):
         raise UserError(f"folder {folder} does not exist: pass --preview-views a path in an existing folder")
     samples = PretrainDataset(dataset, views, args.seed)
     picked = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
-    batch = torch.utils.data.default_collate([samples[(0, i)][0] for i in picked])
-    views = views_to_device(batch, device, compile=False)  # one batch of 8: not worth a compile
+    batch = collate_views([samples[(0, i)] for i in picked])
+    views = views_to_device(batch if isinstance(batch, dict) else batch[0], device, compile=False,
+                            refetch=samples.decoded)  # one batch of 8: not worth a compile
     grid = views_grid(views, view_labels(args))
     grid.save(args.preview_views)
     print(f"=> wrote the views of {len(picked)} images to {args.preview_views} ({grid.size[0]}x{grid.size[1]} px, "

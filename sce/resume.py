@@ -103,9 +103,13 @@ def resume(args, model, optimizer, scaler, rank):
         scaler.load_state_dict(ckpt["scaler"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
-    if torch.cuda.is_available() and len(ckpt["rng"]["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
     if rank == 0:
         print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
+    saved_gpus, gpus = len(ckpt["rng"]["cuda"]), torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if saved_gpus == gpus > 0:
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    elif saved_gpus != gpus and rank == 0:  # one state per GPU: 8 do not map onto 4
+        print(f"=> note: checkpoint saved the CUDA random state of {saved_gpus} GPUs, this run has "
+              f"{gpus or 'none'}: continuing, but not bit-exact", flush=True)
     return epoch, step

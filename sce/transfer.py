@@ -7,7 +7,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from sce import UserError
-from sce.loader import load_rgb
+from sce.loader import load_rgb, read_encoded
 from sce.metrics import average_precision, mean_average_precision, mean_per_class_accuracy, top1_accuracy
 
 VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -15,6 +15,33 @@ VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "
                "train", "tvmonitor"]
 LOGREG_WDS = np.logspace(-6, 5, 45)  # ssl-transfer: C = 1 / wd
 METRICS = ["top1", "mean-per-class", "map11"]
+SVM_MAX_ITER = 2000  # PCL / FAIR; no flag sets it
+
+
+def _class_name(labels, c):
+    return VOC_CLASSES[c] if labels.shape[1] == len(VOC_CLASSES) else f"#{c}"
+
+
+class FitCount:
+    """Which fits stopped at their iteration limit before converging: one flag per fit, summed up
+    into one line. scikit-learn would print a ConvergenceWarning per fit; the helpers here silence
+    those and fill this instead."""
+
+    def __init__(self):
+        self.stalled = []
+
+    def note(self, limit, flag=None, noun="fits"):
+        """'46 fits, all converged' or '3 of 46 fits did not converge within --flag 1000: raise it'."""
+        n, bad = len(self.stalled), sum(self.stalled)
+        if not bad:
+            return f"{n} {noun}, all converged"
+        return f"{bad} of {n} {noun} did not converge within " + (f"{flag} {limit}: raise it" if flag
+                                                                  else f"{limit} iterations")
+
+
+def _stalled(model):
+    """Whether a scikit-learn fit used all of its max_iter (when scikit-learn warns it did not converge)."""
+    return bool(np.max(model.n_iter_) >= model.max_iter)
 
 
 # ---------------------------------------------------------------- VOC2007
@@ -56,15 +83,18 @@ def read_voc07(root, split):
 
 
 class ImageList(Dataset):
-    """Images from a list of paths with their targets (any array indexed by image)."""
+    """Images from a list of paths with their targets (any array indexed by image). encoded: JPEGs come
+    encoded for the device's decoder (sce.loader.read_encoded; sce.device_decode.DecodedEval transforms)."""
 
-    def __init__(self, paths, targets, transform=None):
-        self.paths, self.targets, self.transform = paths, targets, transform
+    def __init__(self, paths, targets, transform=None, encoded=False):
+        self.paths, self.targets, self.transform, self.encoded = paths, targets, transform, encoded
 
     def __len__(self):
         return len(self.paths)
 
     def __getitem__(self, i):
+        if self.encoded:
+            return read_encoded(self.paths[i]), i
         img = load_rgb(self.paths[i])
         return (self.transform(img) if self.transform else img), i
 
@@ -96,10 +126,11 @@ def holdout_split(labels, fraction, seed=0):
 class LogReg:
     """L-BFGS logistic regression: multinomial for single-label data, one binary model per class
     (difficult labels dropped) for a multi-label (N, C) 1 / -1 / 0 matrix. Warm-started across
-    calls, as ssl-transfer does while it sweeps C."""
+    calls, as ssl-transfer does while it sweeps C. Each fit adds its flag to `count` (a FitCount)."""
 
-    def __init__(self, multilabel, max_iter=1000):
+    def __init__(self, multilabel, max_iter=1000, count=None):
         self.multilabel, self.max_iter, self.models = multilabel, max_iter, None
+        self.count = count if count is not None else FitCount()
 
     def _new(self, C):
         from sklearn.linear_model import LogisticRegression
@@ -112,6 +143,7 @@ class LogReg:
             if not self.multilabel:
                 self.models = self.models or [self._new(C)]
                 self.models[0].set_params(C=C).fit(x, y)
+                self.count.stalled.append(_stalled(self.models[0]))
                 return self
             self.models = self.models or [self._new(C) for _ in range(y.shape[1])]
             for c, model in enumerate(self.models):
@@ -121,6 +153,7 @@ class LogReg:
                     raise UserError(f"class #{c} has {'no negative' if target.all() else 'no positive'} "
                                     "image in the training split: it cannot be learned")
                 model.set_params(C=C).fit(x[keep], target)
+                self.count.stalled.append(_stalled(model))
         return self
 
     def score(self, x, y, metric):
@@ -131,10 +164,10 @@ class LogReg:
         return mean_per_class_accuracy(pred, y) if metric == "mean-per-class" else top1_accuracy(pred, y)
 
 
-def select_logreg(train_x, train_y, val_x, val_y, metric, wds=LOGREG_WDS, max_iter=1000, log=print):
+def select_logreg(train_x, train_y, val_x, val_y, metric, wds=LOGREG_WDS, max_iter=1000, log=print, count=None):
     """Fit on train for each wd (C = 1 / wd) and score on val: returns (best C, [(C, val score)]).
-    The first best wins on ties."""
-    clf, history = LogReg(metric == "map11", max_iter), []
+    The first best wins on ties. `count` (a FitCount) gets a flag per fit."""
+    clf, history = LogReg(metric == "map11", max_iter, count), []
     for wd in wds:
         C = 1.0 / float(wd)
         history.append((C, clf.fit(train_x, train_y, C).score(val_x, val_y, metric)))
@@ -143,8 +176,8 @@ def select_logreg(train_x, train_y, val_x, val_y, metric, wds=LOGREG_WDS, max_it
     return history[best][0], history
 
 
-def fit_eval_logreg(train_x, train_y, test_x, test_y, metric, C, max_iter=1000):
-    return LogReg(metric == "map11", max_iter).fit(train_x, train_y, C).score(test_x, test_y, metric)
+def fit_eval_logreg(train_x, train_y, test_x, test_y, metric, C, max_iter=1000, count=None):
+    return LogReg(metric == "map11", max_iter, count).fit(train_x, train_y, C).score(test_x, test_y, metric)
 
 
 # ---------------------------------------------------------------- low-shot LinearSVC (PCL)
@@ -159,22 +192,23 @@ def lowshot_draw(labels, k, seed):
     for c in range(labels.shape[1]):
         positives = np.flatnonzero(labels[:, c] == 1)
         if len(positives) < k:
-            name = VOC_CLASSES[c] if labels.shape[1] == len(VOC_CLASSES) else f"#{c}"
-            raise UserError(f"class {name} has {len(positives)} positive images, fewer than the "
+            raise UserError(f"class {_class_name(labels, c)} has {len(positives)} positive images, fewer than the "
                             f"{k} shots asked for: lower --shots")
         draws.append(np.sort(rng.choice(positives, k, replace=False)))
     return np.stack(draws)
 
 
 def _svm(x, y, cost):
+    """The fitted LinearSVC and whether it stalled at SVM_MAX_ITER (the caller counts it)."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.svm import LinearSVC
     # the PCL / FAIR settings: positives weigh twice, squared hinge, dual solver
     svm = LinearSVC(C=cost, class_weight={1: 2, -1: 1}, intercept_scaling=1.0, penalty="l2",
-                    loss="squared_hinge", tol=1e-4, dual=True, max_iter=2000, random_state=0)
+                    loss="squared_hinge", tol=1e-4, dual=True, max_iter=SVM_MAX_ITER, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        return svm.fit(x, y)
+        svm.fit(x, y)
+    return svm, _stalled(svm)
 
 
 DIFFICULT = ("negative", "ignore")  # low-shot handling of difficult labels; PCL's first
@@ -195,28 +229,34 @@ def _binary(labels, c):
     keep = np.flatnonzero(labels[:, c] != 0)
     y = np.where(labels[keep, c] > 0, 1, -1)
     if (y > 0).all() or (y < 0).all():
-        name = VOC_CLASSES[c] if labels.shape[1] == len(VOC_CLASSES) else f"#{c}"
-        raise UserError(f"class {name} has only {'positive' if (y > 0).all() else 'negative'} "
+        raise UserError(f"class {_class_name(labels, c)} has only {'positive' if (y > 0).all() else 'negative'} "
                         "training images in this draw: use more shots or more images")
     return keep, y
 
 
 def _svm_scores(x, labels, test_x, c, cost):
     keep, y = _binary(labels, c)
-    return _svm(x[keep], y, cost).decision_function(test_x)
+    svm, stalled = _svm(x[keep], y, cost)
+    return svm.decision_function(test_x), stalled
 
 
-def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1, difficult="negative"):
+def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1, difficult="negative", count=None):
     """One LinearSVC per class trained on (x, labels); mAP (percent) and per-class AP on the test set.
-    `difficult` (see voc_targets) applies to both the training and the test labels."""
+    `difficult` (see voc_targets) applies to both the training and the test labels. `count` (a
+    FitCount) gets a flag per SVM."""
     from joblib import Parallel, delayed
     labels, test_labels = voc_targets(labels, difficult), voc_targets(test_labels, difficult)
     cols = Parallel(n_jobs=jobs)(delayed(_svm_scores)(x, labels, test_x, c, cost)
                                  for c in range(labels.shape[1]))
-    return mean_average_precision(np.stack(cols, axis=1), test_labels)
+    if count is not None:
+        count.stalled += [stalled for _, stalled in cols]
+    return mean_average_precision(np.stack([scores for scores, _ in cols], axis=1), test_labels)
 
 
-def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
+def _cv_splits(labels, c, folds, seed, groups):
+    """Rows of class c, their +1 / -1 targets, the number of folds (below `folds` when the class has
+    fewer positives or negatives) and the (train, held-out) splits that can score an AP: those
+    with one class on the training side or no positive held out are skipped."""
     from sklearn.model_selection import StratifiedGroupKFold
     keep, y = _binary(labels, c)
     n_splits = min(folds, int((y > 0).sum()), int((y < 0).sum()))
@@ -225,19 +265,49 @@ def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
                         "images per class: use more shots or --cost-selection test")
     # grouped by image so that a duplicate never sits on both sides of a split
     cv = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
-    aps = []
-    for tr, va in cv.split(x[keep], y, groups[keep]):
-        if len(np.unique(y[tr])) < 2 or not (y[va] > 0).any():
-            continue
-        aps.append(average_precision(_svm(x[keep][tr], y[tr], cost).decision_function(x[keep][va]), y[va]))
-    return float(np.mean(aps)) if aps else float("nan")
+    splits = [(tr, va) for tr, va in cv.split(keep, y, groups[keep])
+              if len(np.unique(y[tr])) == 2 and (y[va] > 0).any()]
+    return keep, y, n_splits, splits
 
 
-def svm_cv_map(x, labels, cost, groups, folds=3, seed=0, jobs=1, difficult="negative"):
+def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
+    """Mean held-out AP of class c over its scored splits (nan when none) and a stalled flag per fit."""
+    keep, y, _, splits = _cv_splits(labels, c, folds, seed, groups)
+    x = x[keep]
+    aps, stalled = [], []
+    for tr, va in splits:
+        svm, bad = _svm(x[tr], y[tr], cost)
+        aps.append(average_precision(svm.decision_function(x[va]), y[va]))
+        stalled.append(bad)
+    return (float(np.mean(aps)) if aps else float("nan")), stalled
+
+
+def svm_cv_map(x, labels, cost, groups, folds=3, seed=0, jobs=1, difficult="negative", count=None):
     """Cross-validated mAP (percent) of the per-class LinearSVCs on the training draw alone;
-    `difficult` (see voc_targets) applies to the training and the held-out folds alike."""
+    `difficult` (see voc_targets) applies to the training and the held-out folds alike. Classes
+    with no scored split are left out of the mean (cv_drops says which). `count` (a FitCount)
+    gets a flag per SVM."""
     from joblib import Parallel, delayed
     labels = voc_targets(labels, difficult)
-    aps = Parallel(n_jobs=jobs)(delayed(_svm_cv_ap)(x, labels, c, cost, folds, seed, groups)
-                                for c in range(labels.shape[1]))
-    return 100.0 * float(np.nanmean(aps))
+    per_class = Parallel(n_jobs=jobs)(delayed(_svm_cv_ap)(x, labels, c, cost, folds, seed, groups)
+                                      for c in range(labels.shape[1]))
+    if count is not None:
+        count.stalled += [bad for _, stalled in per_class for bad in stalled]
+    return 100.0 * float(np.nanmean([ap for ap, _ in per_class]))
+
+
+def cv_drops(labels, groups, folds=3, seed=0, difficult="negative"):
+    """One line on what the cross-validation of svm_cv_map (same arguments) leaves out of the cost
+    choice: classes cut to fewer folds, skipped splits, classes with no scored split; '' if nothing.
+    The splits depend on the labels alone, so the line holds for every cost."""
+    labels = voc_targets(labels, difficult)
+    fewer, skipped, unscored = 0, 0, []
+    for c in range(labels.shape[1]):
+        _, _, n_splits, splits = _cv_splits(labels, c, folds, seed, groups)
+        fewer += n_splits < folds
+        skipped += n_splits - len(splits)
+        unscored += [] if splits else [_class_name(labels, c)]
+    parts = ([f"{fewer} classes cut below {folds} folds (too few positives or negatives)"] if fewer else []) \
+        + ([f"{skipped} folds skipped (one class to train on or no positive held out)"] if skipped else []) \
+        + ([f"class {', '.join(unscored)} out of the mean (no fold scored)"] if unscored else [])
+    return "cv: " + "; ".join(parts) if parts else ""

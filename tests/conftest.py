@@ -1,4 +1,7 @@
-"""Shared test helpers: small datasets written in the real formats, and script runners."""
+"""Shared test helpers: small datasets written in the real formats, script runners, and the check that a
+pretraining run learned."""
+import json
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +47,59 @@ def assert_same_state(a, b):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def assert_trained(output_dir):
+    """A main_pretrain.py run in output_dir learned: no epoch of log.txt skipped a step as non-finite
+    and every epoch's loss is finite; the online trunk moved away from the momentum one (equal at the
+    start; a run whose every step was skipped leaves them equal); over several epochs the mean loss
+    moved. A loss broken to NaN, or to a constant, fails here."""
+    with open(os.path.join(output_dir, "log.txt")) as f:
+        epochs = [json.loads(line) for line in f]
+    assert epochs and all(e["skipped_steps"] == 0 and math.isfinite(e["loss"]) for e in epochs), epochs
+    state = load(os.path.join(output_dir, "checkpoint_last.pth"))["model"]
+    assert not torch.equal(state["encoder.conv1.weight"], state["momentum_encoder.conv1.weight"])
+    if len(epochs) > 1:
+        assert epochs[0]["loss"] != epochs[-1]["loss"], epochs
+
+
+def sends_signal_at(signum, step):
+    """A main_pretrain.build_criterion whose loss sends `signum` to this process during step `step`
+    (1-based): a preemption at a known step, for in-process resume tests."""
+    import main_pretrain
+    real, calls = main_pretrain.build_criterion, [0]
+
+    def build(args, *rest):
+        criterion = real(args, *rest)
+
+        def loss(*a, **k):
+            calls[0] += 1
+            if calls[0] == step:
+                os.kill(os.getpid(), signum)
+            return criterion(*a, **k)
+        return loss
+    return build
+
+
+def assert_mid_epoch_resume_is_exact(args, tmp_path, monkeypatch, signal_step=3):
+    """main_pretrain.main(args) run through, and again stopped by SIGUSR1 during step `signal_step`
+    (1-based; with 2 steps an epoch, 3 is epoch 1's first) then resumed: both end with the same
+    model, bit for bit, and the reference learned. Returns the reference run's folder."""
+    import signal
+    import main_pretrain
+    main_pretrain.main(args + ["--output-dir", str(tmp_path / "ref")])
+    with monkeypatch.context() as m:
+        m.setattr(main_pretrain, "build_criterion", sends_signal_at(signal.SIGUSR1, signal_step))
+        with pytest.raises(SystemExit):
+            main_pretrain.main(args + ["--output-dir", str(tmp_path / "run")])
+    stopped = load(tmp_path / "run" / "checkpoint_last.pth")
+    assert stopped["step"] == signal_step and stopped["step_in_epoch"] > 0  # saved within the epoch
+    main_pretrain.main(args + ["--output-dir", str(tmp_path / "run")])
+    a, b = load(tmp_path / "ref" / "checkpoint_last.pth"), load(tmp_path / "run" / "checkpoint_last.pth")
+    assert a["step"] == b["step"] > signal_step
+    assert_same_state(a["model"], b["model"])
+    assert_trained(tmp_path / "ref")
+    return tmp_path / "ref"
 
 
 def run_script(args, cwd=REPO, timeout=300, env=None, check=True):

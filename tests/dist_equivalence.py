@@ -1,7 +1,12 @@
-"""Train a few steps with the library's pieces (sampler, views, DDP, queue, EMA) and save the result.
+"""Train a few steps as main_pretrain.py does (sampler, loader, views, DDP, shuffle-BN, the queue,
+and sce.engine.train_step with its non-finite guard, an lr and EMA schedule, BN in train mode) and save
+the result.
 
-Run under torchrun with N ranks or as one process: with BN frozen (eval mode) every sample's
-output is independent of how the global batch is split, so the weights and the queue must agree.
+Run under torchrun with 2 ranks, or as one process standing for them: the one process splits every
+BN into 2 chunks of the batch (bn_splits=2), the chunks the ranks hold (ResumableSampler gives rank r
+the r-th consecutive slice of each global batch), so its BN statistics are theirs. Weights, the
+queue and the mean over ranks of the BN running statistics must agree (rank 0's own statistics
+follow its chunk alone, so they do not).
 Usage: python tests/dist_equivalence.py DATA OUT.pth
 """
 import functools
@@ -11,30 +16,44 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from sce import distributed as du, losses  # noqa: E402
-from sce.builder import SCE  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
-from sce.loader import PretrainDataset, ResumableSampler, build_dataset  # noqa: E402
-from sce.optim import build_optimizer  # noqa: E402
+from sce.builder import SCE, momentum_at  # noqa: E402
+from sce.device_augment import DeviceViews  # noqa: E402
+from sce.engine import Training, train_step  # noqa: E402
+from sce.loader import ResumableSampler, build_dataset, pretrain_loader  # noqa: E402
+from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 
 data, out = sys.argv[1], sys.argv[2]
 rank, world, _, device = du.init()
 torch.manual_seed(0)
-global_batch, steps = 8, 4
+global_batch, epochs = 8, 2
+base_lr = 0.5 * global_batch / 256  # as main_pretrain.py scales --lr
 dataset = build_dataset("imagefolder", data, "pretrain")
 sampler = ResumableSampler(len(dataset), global_batch, rank, world, seed=0)
-views = PretrainDataset(dataset, MultiView([View("weak", 16), View("strong", 16)]), seed=0)
-loader = torch.utils.data.DataLoader(views, batch_size=global_batch // world, sampler=sampler)
-model = SCE(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [32], 16, "none",
-            queue_size=24)
-model.eval()  # frozen BN statistics: the split of the batch over ranks cannot matter
+views = MultiView([View("weak", 16), View("strong", 16)])
+loader = pretrain_loader(dataset, views, sampler, global_batch // world, 0, device, seed=0)
+bn_splits = 2 if world == 1 else 1  # as main_pretrain.py's check_world: several ranks shuffle for real
+# a projector without BN: a BN over a chunk's 4 feature vectors has so small a variance that float
+# rounding (1e-7) grows into gradients 10% apart within 3 steps, between any two runs; the trunk's BN remain
+model = SCE(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [], 16, "none",
+            queue_size=24, shuffle_bn=True, bn_splits=bn_splits)
 ddp = du.wrap_ddp(model, device) if world > 1 else model
-optimizer = build_optimizer("sgd", model, 0.5, 1e-4)
-for step, (x, _, _) in zip(range(steps), loader):
-    loss, _ = ddp(x)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    model.update_momentum(0.9)
+t = Training(model, ddp, build_optimizer("sgd", model, base_lr, 1e-4))
+ddp.train()
+total, step, step_losses = epochs * sampler.steps, 0, []
+for epoch in range(epochs):
+    sampler.set_epoch(epoch)
+    for x, _, _ in DeviceViews(loader, device):
+        set_lr(t.optimizer, cosine_lr(step, total, base_lr, warmup_steps=1))
+        loss, finite, _ = train_step(t, x, momentum_at(step, total, 0.9))
+        assert bool(finite)
+        step_losses.append(float(du.all_reduce_sum(loss.clone())) / world)  # each rank's loss is over its slice
+        step += 1
+state = {k: v.clone() for k, v in model.state_dict().items()}
+# BN running statistics are rank-local (DDP leaves buffers alone), while a split BN moves them by the
+# mean of its chunks' updates; the update is linear, so the mean over ranks is what the one process holds
+running = {k: du.all_reduce_sum(v.clone()) / world for k, v in state.items()
+           if k.endswith(("running_mean", "running_var"))}
 if rank == 0:
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    torch.save({"model": state, "bn_mean_over_ranks": running, "losses": step_losses}, out)
 du.cleanup()

@@ -1,9 +1,11 @@
 """Model: exact momentum copy, EMA, schedules, view pairs, queue FIFO, heads, shuffle-BN."""
+import copy
 import math
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from sce.builder import SCE, SplitBatchNorm, build_mlp, build_trunk, momentum_at, split_batch_norm
 from sce.optim import cosine_lr, scheduled
@@ -162,6 +164,44 @@ def test_split_batch_norm_is_batch_norm_per_chunk():
     model = small_model(shuffle_bn=True, bn_splits=2)  # both branches, trunk and heads
     assert all(not isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) or isinstance(m, SplitBatchNorm)
                for m in model.modules())
+
+
+def per_chunk_loop(bn, x, splits):
+    """Split BN as a loop over the chunks (its previous implementation): the reference."""
+    means = [bn.running_mean.clone() for _ in range(splits)]
+    variances = [bn.running_var.clone() for _ in range(splits)]
+    out = torch.cat([F.batch_norm(chunk, mean, var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
+                     for chunk, mean, var in zip(x.chunk(splits), means, variances)])
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.stack(means).mean(0))
+        bn.running_var.copy_(torch.stack(variances).mean(0))
+    return out
+
+
+@pytest.mark.parametrize("shape,channels_last", [((16, 5, 6, 7), False), ((16, 5, 6, 7), True), ((16, 5), False)])
+def test_batched_split_batch_norm_equals_the_per_chunk_loop(shape, channels_last):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 3 + 1
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    bn = (nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d)(shape[1])
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2)
+        bn.bias.normal_()
+        bn.running_mean.normal_()
+    reference = copy.deepcopy(bn)
+    split = SplitBatchNorm(bn, 4)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, expected = split(x1), per_chunk_loop(reference, x2, 4)
+    upstream = torch.randn(shape)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last) == channels_last  # the layout goes through
+    assert torch.allclose(split.running_mean, reference.running_mean, atol=1e-6)
+    assert torch.allclose(split.running_var, reference.running_var, atol=1e-6)
+    for a, b in [(x1.grad, x2.grad), (split.weight.grad, reference.weight.grad), (split.bias.grad, reference.bias.grad)]:
+        assert torch.allclose(a, b, atol=1e-4)
 
 
 def test_lambda_schedule():

@@ -1,7 +1,9 @@
 """Detection transfer (detection/): detectron2 and torchvision conversion of a main_pretrain.py
 checkpoint, the detectron2 configs, and torchvision Mask R-CNN fine-tuning. No detectron2 needed."""
 import ast
+import contextlib
 import importlib
+import io
 import json
 import os
 import pickle
@@ -434,3 +436,72 @@ def test_train_torchvision_bad_input(coco, tmp_path):
     assert_exit_error(script, args, "bad.json", "not a COCO annotation file")
     assert_exit_error(script, args + ["--lr", "-0.1"], "--lr must be >= 0")
     assert_exit_error(script, args + ["--print-freq", "0"], "--print-freq must be positive")
+
+
+class DoublingScaler(torch.amp.GradScaler):
+    """A GradScaler that works on the CPU (autocast stays off there) and doubles its scale at every
+    step from 1: its scale counts the steps it has taken, so it shows whether a resume brought it back."""
+
+    def __init__(self, device, enabled):
+        super().__init__("cpu", init_scale=1.0, growth_interval=1)
+
+
+def train_in_process(coco, out, *flags, write=True):
+    """train_torchvision.main() in this process on 4 images, 2 per batch (2 iterations per epoch), with
+    no evaluation and a DoublingScaler. Returns the (image, flip) pairs it trained on, its iteration
+    log lines (epoch, iteration, lr) and the checkpoints it saved, less model and optimizer;
+    write=False saves nothing to disk (a reference run)."""
+    tt = import_train_torchvision()
+    images, ann = os.path.join(coco, "images"), os.path.join(coco, "ann.json")
+    argv = ["train_torchvision.py", "--train-images", images, "--train-ann", ann, "--val-images", images,
+            "--val-ann", ann, "--output-dir", out, "--workers", "0", "--min-size", "32", "--max-size", "32",
+            "--rois-per-image", "8", "--lr", "1e-4", "--warmup-iters", "1", "--print-freq", "1", "--batch-size", "2",
+            "--epochs", "2", *flags]
+    seen, saved, getitem, save = [], [], tt.CocoInstances.__getitem__, tt.save_atomic
+
+    def recording_getitem(self, key):
+        seen.append(key)
+        return getitem(self, key)
+
+    def recording_save(obj, path):
+        saved.append({k: v for k, v in obj.items() if k not in ("model", "optimizer")})
+        if write:
+            save(obj, path)
+
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+        mp.setattr(tt.CocoInstances, "__getitem__", recording_getitem)
+        mp.setattr(tt, "save_atomic", recording_save)
+        mp.setattr(tt, "evaluate", lambda *args: (0.0, 0.0, 0))
+        mp.setattr(torch.amp, "GradScaler", DoublingScaler)
+        mp.setattr(sys, "argv", argv)
+        tt.main()
+    steps = re.findall(r"^epoch (\d+) iter (\d+)/\d+  lr (\S+)", stdout.getvalue(), re.M)
+    return seen, steps, saved
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(coco, tmp_path_factory):
+    """3 iterations in one run, and in a run stopped by --max-iters 1 (within epoch 0) then resumed."""
+    whole = train_in_process(coco, str(tmp_path_factory.mktemp("whole")), "--max-iters", "3", write=False)
+    out = str(tmp_path_factory.mktemp("stopped"))
+    return whole, train_in_process(coco, out, "--max-iters", "1"), train_in_process(coco, out, "--max-iters", "3",
+                                                                                   "--resume", write=False)
+
+
+def test_max_iters_stop_resumes_within_the_epoch(stopped_and_resumed):
+    (seen, steps, saved), stopped, resumed = stopped_and_resumed
+    assert steps == [("0", "1", "0.00000"), ("0", "2", "0.00010"), ("1", "3", "0.00010")]  # (epoch, iteration, lr)
+    assert len(seen) == 6 and sorted(i for i, _ in seen[:4]) == [0, 1, 2, 3]  # epoch 0: each image once
+    # the stop is saved as within epoch 0, after its first batch; the resume goes on from there
+    assert [(s["epoch"], s["epoch_iter"], s["iter"]) for s in stopped[2]] == [(0, 1, 1)]
+    assert stopped[1] + resumed[1] == steps and stopped[0] + resumed[0] == seen
+    assert [(s["epoch"], s["epoch_iter"], s["iter"]) for s in resumed[2]] == [(1, 0, 2), (1, 1, 3)]
+    assert [(s["epoch"], s["epoch_iter"], s["iter"]) for s in saved] == [(1, 0, 2), (1, 1, 3)]
+
+
+def test_resume_restores_the_grad_scaler(stopped_and_resumed):
+    whole, stopped, resumed = stopped_and_resumed
+    assert [s["scaler"]["scale"] for s in stopped[2]] == [2.0]  # 1 step
+    # 3 steps in all, as in the uninterrupted run, not 1 + a fresh scaler's 2
+    assert [s["scaler"]["scale"] for s in resumed[2]] == [s["scaler"]["scale"] for s in whole[2]] == [4.0, 8.0]

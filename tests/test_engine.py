@@ -1,5 +1,6 @@
 """The training step: the non-finite guard undoes a step exactly (SGD and LARS, mid-training), compile
-keeps the checkpoint keys, and the benchmark reports what it promises."""
+keeps the checkpoint keys and the eager step's numbers, the benchmark reports what it promises, and a
+resume says when it cannot restore the CUDA random state."""
 import functools
 import json
 import subprocess
@@ -8,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, assert_same_state
 from sce import UserError, losses
 from sce.builder import SCE
-from sce.engine import Training, check_compile, compile_model, train_step
+from sce.engine import (CompileFallback, Training, check_compile, compile_model, compile_trunk, resolve_compile,
+                        train_step)
 from sce.optim import LARS, build_optimizer, load_optimizer_state
 
 
@@ -137,21 +139,188 @@ def test_compile_without_a_compiler_is_one_line(monkeypatch):
 def test_benchmark_reports_every_measurement(tmp_path):
     cmd = [sys.executable, "benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
            "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8", "--images", "8",
-           "--steps", "2", "--warmup", "1", "--e2e-workers", "1"]
+           "--steps", "2", "--warmup", "1", "--e2e-workers", "1", "--preload", "--image-size", "20", "--shuffle-bn",
+           "--bn-splits", "2", "--lincls"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     data = {r["augment"]: r for r in lines if r["what"] == "data"}
-    assert set(data) == {"cpu", "gpu"} and data["gpu"]["device_ms_per_batch"] > 0
-    assert data["gpu"]["device_ms_per_batch_eager"] > 0 and data["cpu"]["device_ms_per_batch"] is None
+    assert set(data) == {"cpu", "gpu", "decode"} and data["cpu"]["device_ms_per_batch"] is None
+    assert all(data[a]["device_ms_per_batch"] > 0 and data[a]["device_ms_per_batch_eager"] > 0 for a in ("gpu", "decode"))
     assert all(r["loader_images_per_s"] > 0 and r["workers"] == 0 for r in data.values())
     step = [r for r in lines if r["what"] == "train_step"]
     assert len(step) == 1 and step[0]["images_per_s"] > 0 and step[0]["step_ms_without_guard"] > 0
     assert step[0]["host_step_ms"] > 0
     assert -1 < step[0]["guard_share"] < 1  # the difference of two timings: noise can make it negative
     ends = {(r["augment"], r["workers"]): r for r in lines if r["what"] == "end_to_end"}
-    assert set(ends) == {("cpu", 0), ("gpu", 0), ("gpu", 1)}  # --e2e-workers 1: gpu again with a worker process
+    # --e2e-workers 1: gpu and decode again with a worker process; --preload: from images kept on the device
+    assert set(ends) == {("cpu", 0), ("gpu", 0), ("decode", 0), ("gpu", 1), ("decode", 1), ("preload", 0)}
+    references = {r["what"]: r for r in lines if r["what"] in ("supervised_reference", "ideal_asymmetric")}
+    assert len(references) == 2 and all(r["images_per_s"] > 0 for r in references.values())
+    assert all(r["of_supervised_reference"] > 0 and r["of_ideal_asymmetric"] > 0 for r in step + list(ends.values()))
+    assert step[0]["bn_splits"] == 2 and "x ideal_asymmetric" in proc.stdout
     assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in ends.values())
     assert "| end_to_end | gpu | " in proc.stdout and "workers 1, data wait" in proc.stdout
     (cached,) = [r for r in lines if r["what"] == "device_pipeline"]
     assert cached["images_per_s"] > 0 and cached["of_compute_only"] > 0
+    lincls = {r["what"]: r for r in lines if r["what"] in ("forward_reference", "lincls_train", "feature_extraction")}
+    assert len(lincls) == 3 and all(r["images_per_s"] > 0 for r in lincls.values())
+    assert lincls["lincls_train"]["of_forward"] > 0 and lincls["feature_extraction"]["of_forward"] > 0
+
+
+def test_compiled_step_equals_the_eager_step():
+    """--compile on CPU (Inductor, C++): two train_steps give the eager losses and weights. A tiny conv
+    trunk stands in for the ResNet, whose compilation takes ~70 s on 2 cores (this one ~22 s, ~3 s cached)."""
+    import copy
+    import torch.nn as nn
+    try:
+        check_compile(torch.device("cpu"))
+    except UserError as e:  # no C++ compiler here: what the user sees instead is one line
+        assert "\n" not in str(e) and "drop --compile" in str(e)
+        return
+
+    def build():
+        torch.manual_seed(0)
+        model = SCE(losses.sce_loss, "resnet18", True, [], 16, "none", queue_size=16)
+        model.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 512))
+        model.momentum_encoder = copy.deepcopy(model.encoder).requires_grad_(False)
+        return Training(model, model, build_optimizer("sgd", model, 0.5, 1e-4))
+    compiled, eager = build(), build()
+    start = {k: v.clone() for k, v in eager.model.state_dict().items()}
+    compile_model(compiled.model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed in range(2):
+        loss, finite, _ = train_step(compiled, views(seed), 0.9)
+        assert bool(finite) and loss.item() == pytest.approx(train_step(eager, views(seed), 0.9)[0].item(), abs=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the compiled modules ran
+    after = eager.model.state_dict()
+    for key, value in compiled.model.state_dict().items():
+        assert torch.allclose(value.float(), after[key].float(), atol=1e-4), key
+    assert not torch.allclose(after["encoder.0.weight"], start["encoder.0.weight"])  # and they did move
+
+
+@pytest.mark.parametrize("saved,gpus,note", [
+    (8, 4, "=> note: checkpoint saved the CUDA random state of 8 GPUs, this run has 4: continuing, but not bit-exact"),
+    (8, None, "=> note: checkpoint saved the CUDA random state of 8 GPUs, this run has none: continuing, but not "
+              "bit-exact"),
+    (2, 2, None), (0, None, None)])
+def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatch, capsys, saved, gpus, note):
+    """saved: CUDA random states in the checkpoint (one per GPU); gpus: this run's GPUs (None: no CUDA)."""
+    import argparse
+    from sce import checkpoint
+    from sce.resume import resume, run_state
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer("sgd", model, 0.1, 0.0)
+    args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4)
+    state = run_state(model, optimizer, None, args, 1, 0, 2)
+    state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8) for _ in range(saved)]
+    checkpoint.save(state, str(tmp_path))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus or 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    assert resume(args, model, optimizer, None, 0) == (1, 0)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> note")]
+    assert notes == ([note] if note else [])
+    assert len(restored) == (saved == gpus)
+
+
+def test_compile_is_on_by_default_only_on_cuda_with_triton(monkeypatch):
+    """Resolved from the device; no CUDA call: the device is a torch.device object only."""
+    import importlib.util
+    import main_pretrain
+    cuda, cpu, triton = torch.device("cuda"), torch.device("cpu"), [True]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if triton[0] else None) if name == "triton" else find_spec(name, *a))
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: True)
+    assert resolve_compile(None, cuda) and resolve_compile(True, cuda)
+    assert not resolve_compile(None, cpu) and not resolve_compile(False, cuda) and not resolve_compile(False, cpu)
+    triton[0] = False
+    assert not resolve_compile(None, cuda)
+    with pytest.raises(UserError, match="^--compile on GPU needs Triton, .*drop --compile$"):
+        resolve_compile(True, cuda)
+    triton[0] = True
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    assert not resolve_compile(None, cuda)
+    assert [main_pretrain.parse_args(["--data", "d"] + flag).compile for flag in ([], ["--compile"], ["--no-compile"])
+            ] == [None, True, False]
+
+
+def failing_compile(where):
+    """nn.Module.compile's stand-in: a compiled call runs the module (BN statistics move, the queue
+    takes its keys, a random number is drawn), then fails as Inductor without Triton does, in the
+    forward (Dynamo wraps the error: its first line is `backend='inductor' raised:`) or at the first
+    backward."""
+    error = RuntimeError("Cannot find a working triton installation. Either the package is not installed or ...\n"
+                         "more lines")
+
+    def inductor():
+        pass
+
+    def fail(grad):
+        raise error
+
+    def compile(self, *args, **kwargs):
+        def compiled(*a, **k):
+            out = self._call_impl(*a, **k)
+            torch.rand(1)
+            if where == "forward":
+                raise torch._dynamo.exc.BackendCompilerFailed(inductor, error, None)
+            if out.requires_grad:
+                out.register_hook(fail)
+            return out
+        self._compiled_call_impl = compiled
+    return compile
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failed_compile_falls_back_to_the_eager_step_exactly(monkeypatch, where):
+    eager = make_training()
+    expected = [train_step(eager, views(seed), 0.9)[0] for seed in range(2)]
+    rng = torch.get_rng_state()
+    monkeypatch.setattr(torch.nn.Module, "compile", failing_compile(where))
+    t = make_training()
+    compile_model(t.model)
+    step = CompileFallback(functools.partial(train_step, t), t)
+    with pytest.warns(UserWarning) as caught:
+        losses_ = [step(views(seed), 0.9)[0] for seed in range(2)]
+    assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
+        "--compile: torch.compile of the training step failed (Cannot find a working triton installation. Either the "
+        "package is not installed or ...): running it eagerly"]
+    assert step.failed.startswith("Cannot find a working triton installation")
+    assert all(torch.equal(a, b) for a, b in zip(losses_, expected))
+    assert_same_state(t.model.state_dict(), eager.model.state_dict())  # weights, BN statistics, queue
+    assert_same_state(*({str(i): s["momentum_buffer"] for i, s in enumerate(o.state.values())}
+                        for o in (t.optimizer, eager.optimizer)))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(m._compiled_call_impl is None for m in t.model.modules())
+
+
+def test_an_error_of_the_eager_step_too_is_raised_without_the_compile_warning(recwarn):
+    def step(views, momentum):
+        raise ValueError("not the compiler's")
+    with pytest.raises(ValueError, match="not the compiler's"):
+        CompileFallback(step, make_training())(views(0), 0.9)
+    assert not [w for w in recwarn if "--compile" in str(w.message)]
+
+
+def test_compiled_trunk_keeps_its_keys(monkeypatch):
+    """main_lincls.py saves model.state_dict(): no `_orig_mod.` prefix, the keys of an eager run; the
+    trunk's calls go through the compiled code (a stand-in: compiling a ResNet on CPU takes minutes)."""
+    import torchvision
+    trunk, calls = torchvision.models.resnet18().eval(), []
+    keys = list(trunk.state_dict())
+    compile_trunk(trunk)  # compiles lazily: nothing runs here
+    assert list(trunk.state_dict()) == keys
+
+    def compile(self, *args, **kwargs):
+        def compiled(*a, **k):
+            calls.append(self)
+            return self._call_impl(*a, **k)
+        self._compiled_call_impl = compiled
+    monkeypatch.setattr(torch.nn.Module, "compile", compile)
+    with torch.no_grad():
+        compile_trunk(trunk)(torch.zeros(1, 3, 32, 32))
+    assert calls == [trunk]

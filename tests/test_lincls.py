@@ -171,6 +171,24 @@ def test_knn_script_equals_brute_force(pretrained, tmp_path, capsys):
     assert result["acc1"] < 100.0
 
 
+def test_knn_with_a_failing_compiled_trunk_warns_and_equals_eager(pretrained, data, tmp_path, capsys, monkeypatch):
+    """--compile where the compiled trunk fails at its first call: one warning naming the cause, and the
+    batch is redone eagerly (a frozen trunk in eval mode has no state to put back)."""
+    def broken_compile(module, *args, **kwargs):
+        def compiled(*a, **k):
+            raise RuntimeError("Cannot find a working triton installation")
+        module._compiled_call_impl = compiled
+    args = ["--data", data, "--pretrained", pretrained, "--knn", "--knn-k", "5", "--crop-size", "16"]
+    lincls_here(capsys, *args, "--output-dir", tmp_path / "eager")
+    monkeypatch.setattr(torch.nn.Module, "compile", broken_compile)
+    with pytest.warns(UserWarning) as caught:
+        lincls_here(capsys, *args, "--compile", "--output-dir", tmp_path / "compiled")
+    assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
+        "--compile: torch.compile of the trunk failed (Cannot find a working triton installation): running it eagerly"]
+    results = [json.load(open(tmp_path / out / "results_knn.json")) for out in ("eager", "compiled")]
+    assert results[0] == results[1]
+
+
 # ---------------------------------------------------------------- logistic regression
 
 def test_logreg_selection_picks_best_val_c():
@@ -281,3 +299,33 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
         main_lincls.main(["--data", data, "--pretrained", pretrained, "--workers", "0", "--lr", "1e38",
                           "--batch-size", "4", "--epochs", "1", "--output-dir", str(tmp_path / "diverged")])
     assert not os.path.exists(tmp_path / "diverged" / "checkpoint_last.pth")
+
+
+# ---------------------------------------------------------------- fits that did not converge
+
+def test_logreg_counts_fits_that_did_not_converge():
+    from sce.transfer import FitCount, fit_eval_logreg
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 90)
+    x = rng.normal(size=(90, 10)) + 1.2 * np.eye(10)[y]
+    stopped, converged, multi = FitCount(), FitCount(), FitCount()
+    fit_eval_logreg(x, y, x, y, "top1", 1.0, max_iter=1, count=stopped)  # L-BFGS needs ~10 iterations here
+    fit_eval_logreg(x, y, x, y, "top1", 1.0, max_iter=1000, count=converged)
+    labels = np.where(x[:, :3] > 0.5, 1, -1)
+    fit_eval_logreg(x, labels, x, labels, "map11", 1.0, max_iter=1, count=multi)  # one fit per class
+    assert stopped.stalled == [True] and converged.stalled == [False] and multi.stalled == [True] * 3
+    assert stopped.note(1, "--logreg-max-iter") == "1 of 1 fits did not converge within --logreg-max-iter 1: raise it"
+    assert converged.note(1000, "--logreg-max-iter") == "1 fits, all converged"
+    wds = [1e-2, 1.0]  # the selection fits once per wd, into the same count
+    select_logreg(x, y, x, y, "top1", wds=wds, max_iter=1, log=lambda *a: None, count=stopped)
+    assert stopped.stalled == [True] * 3
+
+
+def test_logreg_script_says_fits_did_not_converge(pretrained, data, tmp_path, capsys):
+    stdout = lincls_here(capsys, "--data", data, "--pretrained", pretrained, "--classifier", "logreg",
+                         "--crop-size", "16", "--logreg-c", "1.0", "--logreg-max-iter", "1", "--output-dir", tmp_path)
+    assert re.search(r"logistic regression \(C 1, refit on \d+ images\): test top1 \d+\.\d\d "
+                     r"\(1 of 1 fits did not converge within --logreg-max-iter 1: raise it\)\n", stdout), stdout
+    with open(tmp_path / "results_logreg.json") as f:
+        result = json.load(f)
+    assert result["fits"] == 1 and result["unconverged_fits"] == 1

@@ -1,4 +1,5 @@
-"""The objectives against float64 transcriptions of the paper's equations (loops, no torch ops)."""
+"""The objectives against float64 transcriptions of the paper's equations (loops, no torch ops),
+and which branch of the model their gradient reaches."""
 import math
 
 import numpy as np
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sce import losses
+from sce.builder import SCE
 
 
 def unit_rows(n, d, seed):
@@ -119,8 +121,18 @@ def test_free_coefficients(qkm):
     assert got == pytest.approx(want, rel=1e-10)
 
 
-def test_gradient_flows_only_through_queries(qkm):
-    q, k, queue = (t.clone().requires_grad_(True) for t in qkm)
-    losses.sce_loss(q, k.detach(), queue.detach()).backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
-    assert k.grad is None and queue.grad is None
+def test_gradient_reaches_only_the_online_branch():
+    """SCE.forward then backward: the momentum branch and the queue get no gradient, even when they
+    are set to require one (target() runs under no_grad, the loss uses a detached copy of the queue)."""
+    torch.manual_seed(0)
+    model = SCE(losses.sce_loss, "resnet18", True, [32], 16, "affine", queue_size=16)
+    assert not any(p.requires_grad for p in model.momentum_parameters()) and not model.queue.requires_grad
+    for p in model.momentum_parameters():
+        p.requires_grad_(True)
+    model.queue.requires_grad_(True)
+    g = torch.Generator().manual_seed(0)
+    loss, _ = model([torch.randn(4, 3, 8, 8, generator=g) for _ in range(2)])
+    loss.backward()
+    assert all(p.grad is None for p in model.momentum_parameters()) and model.queue.grad is None
+    for name, p in list(model.encoder.named_parameters()) + list(model.projector.named_parameters()):
+        assert p.grad is not None and p.grad.abs().sum() > 0, name

@@ -11,7 +11,7 @@ from PIL import Image
 from conftest import run_script
 from sce import UserError
 from sce.metrics import average_precision
-from sce.transfer import VOC_CLASSES, lowshot_draw, read_voc07, svm_test_map
+from sce.transfer import VOC_CLASSES, FitCount, cv_drops, lowshot_draw, read_voc07, svm_cv_map, svm_test_map
 
 
 def class_colour(c):
@@ -112,6 +112,8 @@ def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc, tmp_
     draw = res["draws"][0]
     assert draw["cost"] == float(max(draw["cv_map"], key=draw["cv_map"].get))  # best cross-validated cost
     assert res["maps"] == [draw["map"]]
+    # 2 cv fits per class and cost, then one test fit per class
+    assert draw["svm_fits"] == 20 * (2 * 2 + 1) and draw["unconverged_fits"] == 0
 
 
 def test_draw_is_seeded_and_has_k_positives_per_class():
@@ -239,3 +241,58 @@ def test_voc07_logreg_uses_11point_map(pretrained, voc, tmp_path):
     with open(tmp_path / "results_logreg.json") as f:
         result = json.load(f)
     assert result["metric"] == "map11" and len(result["val"]) == 45 and 0 <= result["test"] <= 100
+
+
+def test_svm_fits_that_did_not_converge_are_counted(monkeypatch):
+    import sce.transfer
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5))
+    y = np.where(x[:, :3] > 0, 1, -1).astype(np.int8)
+    converged, stopped = FitCount(), FitCount()
+    svm_test_map(x, y, x, y, cost=1.0, count=converged)
+    monkeypatch.setattr(sce.transfer, "SVM_MAX_ITER", 1)  # liblinear needs more than one pass here
+    svm_test_map(x, y, x, y, cost=1.0, count=stopped)
+    svm_cv_map(x, y, 1.0, groups=np.arange(40), folds=2, count=stopped)  # 2 folds x 3 classes
+    assert converged.stalled == [False] * 3 and stopped.stalled == [True] * 9
+    assert stopped.note(1, noun="SVM fits") == "9 of 9 SVM fits did not converge within 1 iterations"
+
+
+def test_cv_says_which_folds_and_classes_it_drops():
+    groups = np.arange(12)
+    groups[1] = 0  # rows 0 and 1 are one image drawn twice: always in the same fold
+    labels = -np.ones((12, 3), np.int8)
+    labels[[0, 1], 0] = 1  # 2 folds; the positives of one image train or are held out, never both: no AP
+    labels[[0, 1, 5], 1] = 1  # 3 folds, one without a held-out positive
+    labels[[3, 4, 6, 7, 8, 9], 2] = 1  # 3 folds, all scored
+    assert cv_drops(labels, groups, folds=3) == ("cv: 1 classes cut below 3 folds (too few positives or negatives); "
+                                                 "3 folds skipped (one class to train on or no positive held out); "
+                                                 "class #0 out of the mean (no fold scored)")
+    assert cv_drops(labels[:, 2:], groups, folds=3) == ""
+    x = np.random.default_rng(0).normal(size=(12, 4))
+    count = FitCount()
+    both = svm_cv_map(x, labels, 1.0, groups, folds=3, count=count)
+    assert len(count.stalled) == 2 + 3  # the fits of the scored folds only
+    # class #0 is out of the mean: it is that of the other two
+    assert both == pytest.approx(np.mean([svm_cv_map(x, labels[:, [c]], 1.0, groups, folds=3) for c in (1, 2)]))
+
+
+def test_cv_script_says_what_it_drops(contract_run, pretrained, voc, tmp_path, capsys, monkeypatch):
+    import main_lowshot
+    import sce.transfer
+    copy_feature_cache(contract_run[0], tmp_path)
+    monkeypatch.setattr(sce.transfer, "SVM_MAX_ITER", 1)  # every SVM stops at its limit
+    main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "2", "--runs", "1", "--costs", "1",
+                       "--cost-selection", "cv", "--cv-folds", "3", "--output-dir", str(tmp_path), "--resize", "32",
+                       "--crop-size", "32", "-j", "0"])
+    stdout = capsys.readouterr().out
+    # the draw: one class has 2 positives (2 folds), 11 of the 19 * 3 + 2 folds cannot score
+    drops = ("cv: 1 classes cut below 3 folds (too few positives or negatives); "
+             "11 folds skipped (one class to train on or no positive held out)")
+    idx = lowshot_draw(voc[1]["trainval"], 2, [0, 2, 0]).ravel()
+    assert cv_drops(voc[1]["trainval"][idx], idx, folds=3) == drops
+    assert f"\nK 2 draw 1/1: {drops}\n" in stdout, stdout
+    # 59 - 11 cv fits, then 20 test fits
+    assert re.search(r"test mAP \d+\.\d\d \(68 of 68 SVM fits did not converge within 1 iterations\)$", stdout, re.M)
+    with open(tmp_path / "lowshot.json") as f:
+        draw = json.load(f)["results"][0]["draws"][0]
+    assert draw["cv_drops"] == drops and draw["svm_fits"] == draw["unconverged_fits"] == 68

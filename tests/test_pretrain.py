@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_same_state, load, run_script, write_imagefolder
+from conftest import assert_same_state, assert_trained, load, run_script, write_imagefolder
 from sce import UserError
 
 TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
@@ -35,15 +35,16 @@ def test_resume_equals_uninterrupted_run(data, tmp_path):
     a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
     assert_same_state(a["model"], b["model"])
+    assert_trained(tmp_path / "a")
     assert int(a["model"]["queue_ptr"]) == 0  # 4 steps x 8 keys wrap a 32-key queue
     assert os.path.exists(tmp_path / "a" / "checkpoint_0002.pth")  # last epoch always numbered
     # progress line and TensorBoard scalars
-    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ \d+\.\d img/s data \d+% eta \d+:\d\d:\d\d", first.stdout)
+    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ \d+\.\d img/s data \d+% skipped 0 eta \d+:\d\d:\d\d", first.stdout)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tmp_path / "a")).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/momentum", "train/images_per_s", "train/data_wait_share",
-            "train/lambda", "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
+            "train/lambda", "train/skipped_steps", "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
     lambdas = [e.value for e in events.Scalars("train/lambda")]  # steps 0-3: warmup 0.1, 0.5, then cosine to 0.9
     assert lambdas == pytest.approx([0.1, 0.3, 0.5, 0.9])
     assert "views" in events.Tags()["images"]  # the augmented views, at the first step of the run
@@ -52,18 +53,25 @@ def test_resume_equals_uninterrupted_run(data, tmp_path):
     for run in "ab":
         epochs = [json.loads(line) for line in open(tmp_path / run / "log.txt")]
         assert [e["epoch"] for e in epochs] == [1, 2]
-        assert {"loss", "infonce", "ressl", "ceil", "lr", "momentum", "lambda", "images_per_s"} <= epochs[0].keys()
+        assert {"loss", "infonce", "ressl", "ceil", "lr", "momentum", "lambda", "images_per_s",
+                "skipped_steps"} <= epochs[0].keys()
     assert open(tmp_path / "a" / "log.txt").read().count("loss") == 2
 
 
 def test_two_gloo_ranks_equal_one_process(data, tmp_path):
     run_script(["torchrun", "--nproc_per_node=2", "tests/dist_equivalence.py", data, str(tmp_path / "two.pth")])
-    run_script(["tests/dist_equivalence.py", data, str(tmp_path / "one.pth")])
+    run_script(["tests/dist_equivalence.py", data, str(tmp_path / "one.pth")])  # BN split in 2 chunks
     two, one = load(tmp_path / "two.pth"), load(tmp_path / "one.pth")
-    assert torch.equal(two["queue_ptr"], one["queue_ptr"]) and int(one["queue_ptr"]) == 16  # 18 images: 2 steps x 8 keys, M=24
-    assert not torch.allclose(one["queue"][:8], one["queue"][8:16])  # steps enqueued different keys
-    for key in one:
-        assert torch.allclose(two[key].float(), one[key].float(), atol=1e-4), key
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-4)
+    weights, queue = one["model"], one["model"]["queue"]
+    assert torch.equal(two["model"]["queue_ptr"], weights["queue_ptr"]) and int(weights["queue_ptr"]) == 8  # 4 steps x 8 keys, M=24
+    assert not torch.allclose(queue[:8], queue[8:16])  # steps enqueued different keys
+    # BN running statistics are rank-local: rank 0's follow its own chunk, the split BN's the mean of
+    # both chunks, so the mean over ranks is what compares
+    running = two["bn_mean_over_ranks"]
+    assert not torch.allclose(two["model"]["encoder.bn1.running_var"], weights["encoder.bn1.running_var"], atol=1e-4)
+    for key in weights:
+        assert torch.allclose(running.get(key, two["model"][key]).float(), weights[key].float(), atol=1e-4), key
 
 
 def test_contract_commands_torchrun_then_resume(data, tmp_path):
@@ -77,6 +85,7 @@ def test_contract_commands_torchrun_then_resume(data, tmp_path):
     assert ckpt["epoch"] == 1 and ckpt["args"]["tau_m"] == 0.07
     run_script(["main_pretrain.py"] + common + ["--epochs", "2", "--resume", os.path.join(out, "checkpoint_last.pth")])
     assert load(os.path.join(out, "checkpoint_last.pth"))["epoch"] == 2
+    assert_trained(out)
 
 
 def test_methods_and_options_run(data, tmp_path):
@@ -88,32 +97,38 @@ def test_methods_and_options_run(data, tmp_path):
     ckpt = load(tmp_path / "r" / "checkpoint_last.pth")
     assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak"
     assert int(ckpt["model"]["queue_ptr"]) == 32  # symmetric: 2 x 8 keys per step, 2 steps
+    assert_trained(tmp_path / "r")
     assert any(k.startswith("predictor.") for k in ckpt["model"])
     proc = run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "m"),
                        "--method", "moco", "--knn-data", data, "--knn-every", "1"] + TINY)
     assert re.search(r"=> epoch 1: kNN top-1 \d+\.\d+ top-5 \d+\.\d+", proc.stdout)  # the kNN monitor
     args = load(tmp_path / "m" / "checkpoint_last.pth")["args"]
     assert args["tau"] == 0.2 and args["loss"] == "infonce" and args["target_aug"] == "strong"
+    assert_trained(tmp_path / "m")
     run_script(["main_pretrain.py", "--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "c"),
                 "--loss-coeffs", "0.5", "0.5", "0"] + TINY)
     assert load(tmp_path / "c" / "checkpoint_last.pth")["args"]["loss"] == "combined"
+    assert_trained(tmp_path / "c")
 
 
 def test_gpu_augment_run_lowers_the_loss(tmp_path):
-    # --augment gpu on a machine without one: the batched ops run on CPU tensors in this process
+    # --augment gpu on a machine without one: the batched ops run on CPU tensors in this process, and
+    # --decode device decodes the JPEG half of each batch there (torchvision's CPU decoder standing in)
     data = write_imagefolder(tmp_path / "data", num_classes=4, per_class=8, size=24, splits=("",))
     for png in glob.glob(os.path.join(data, "class_[01]", "*.png")):  # half JPEG: torchvision's decoder path
         Image.open(png).save(png[:-4] + ".jpg", quality=95)
         os.remove(png)
-    proc = run_script(["main_pretrain.py", "--data", data, "--augment", "gpu", "--arch", "resnet18", "--small-input",
-                       "--crop-size", "16", "--min-scale", "0.5", "--batch-size", "16", "--queue-size", "32",
+    proc = run_script(["main_pretrain.py", "--data", data, "--augment", "gpu", "--decode", "device", "--arch",
+                       "resnet18", "--small-input", "--crop-size", "16", "--min-scale", "0.5", "--batch-size", "16",
+                       "--queue-size", "32",
                        "--workers", "0", "--proj-hidden-dims", "64", "--proj-dim", "32", "--epochs", "16", "--lr", "1.0",
                        "--warmup-epochs", "0", "--print-freq", "2", "--save-freq", "100",
                        "--output-dir", str(tmp_path / "out")])
-    assert "augment on gpu" in proc.stdout
+    assert "augment on gpu, JPEGs decoded on the device" in proc.stdout
     epoch_losses = [float(x) for x in re.findall(r"\] loss (\d+\.\d+)", proc.stdout)]  # 16 epochs of 2 steps
     assert len(epoch_losses) == 16
     assert sum(epoch_losses[-4:]) / 4 < sum(epoch_losses[:4]) / 4 - 0.5, epoch_losses
+    assert_trained(tmp_path / "out")
 
 
 @pytest.mark.parametrize("augment", ["cpu", "gpu"])
@@ -138,11 +153,15 @@ def test_moco_spellings():
     assert vars(ours) == vars(moco)
 
 
-def test_demo_prints_knn_line(tmp_path):
-    proc = run_script(["main_pretrain.py", "--epochs", "1", "--output-dir", str(tmp_path / "demo")],
-                      env={"HOME": str(tmp_path)})
+def test_demo_trains_and_prints_knn_line(tmp_path):
+    # the bar of a 1-epoch demo: finite steps, a trunk that moved and the closing kNN line. Beating the
+    # untrained kNN takes the demo's 20 epochs (5 min, README: 90.0% against 82.8%); after 1 epoch the
+    # learned kNN is below it (70.8% measured), so this test cannot ask for it
+    proc = run_script(["main_pretrain.py", "--epochs", "1", "--knn-max-train", "400",
+                       "--output-dir", str(tmp_path / "demo")], env={"HOME": str(tmp_path)})
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("kNN top-1: ") and "(untrained: " in last and last.endswith("%)")
+    assert re.fullmatch(r"kNN top-1: \d+\.\d% \(untrained: \d+\.\d%\)", last), last
+    assert_trained(tmp_path / "demo")
 
 
 def one_line_error(args, match):

@@ -5,6 +5,7 @@ Multi-rank cases run torchrun with 2 gloo ranks on CPU; the rest call main_pretr
 with faults injected by monkeypatch.
 """
 import errno
+import json
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO, assert_same_state, load, write_imagefolder
+from conftest import REPO, assert_same_state, assert_trained, load, sends_signal_at, write_imagefolder
 import main_pretrain
 from sce import UserError, checkpoint
 from sce.builder import SCE
@@ -196,26 +197,16 @@ def test_preemption_two_ranks_resumes_exactly(data, tmp_path, jobs):
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 8
     assert_same_state(a["model"], b["model"])  # weights, BN buffers, queue, queue_ptr: bit for bit
     assert int(b["model"]["queue_ptr"]) == 0 and b["model"]["encoder.bn1.running_mean"].abs().sum() > 0
+    assert_trained(tmp_path / "ref")
+    assert_trained(out)  # its log.txt: the epochs of three invocations
 
 
-def sends_signal_at(signum, step):
-    """A build_criterion whose loss sends `signum` to this process during step `step` (1-based)."""
-    real, calls = main_pretrain.build_criterion, [0]
-
-    def build(args):
-        criterion = real(args)
-
-        def loss(*a, **k):
-            calls[0] += 1
-            if calls[0] == step:
-                os.kill(os.getpid(), signum)
-            return criterion(*a, **k)
-        return loss
-    return build
-
-
-@pytest.mark.parametrize("extra", [[], ["--shuffle-bn", "--bn-splits", "2"]])  # shuffle-BN draws from the global RNG
+# shuffle-BN draws from the global RNG; --amp fp16 saves and resumes a GradScaler
+@pytest.mark.parametrize("extra", [[], ["--shuffle-bn", "--bn-splits", "2", "--amp", "fp16"]])
 def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatch, extra):
+    # fp16's scaler with bf16's autocast: CPU fp16 convolution backward has no fast kernel here (11 s a
+    # step, not 0.2) and overflows at the scaler's initial scale, so every step would be skipped
+    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", torch.bfloat16)
     pretrain(small, tmp_path / "ref", "--epochs", 2, *extra)
     with monkeypatch.context() as m:
         m.setattr(main_pretrain, "build_criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
@@ -224,11 +215,13 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     assert stop.value.code == main_pretrain.PREEMPTED_EXIT_CODE
     ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (1, 1, 3)
+    assert (ckpt["scaler"] is not None) == ("fp16" in extra)
     pretrain(small, tmp_path / "run", "--epochs", 2, *extra)
     a, b = load(tmp_path / "ref" / "checkpoint_last.pth"), load(tmp_path / "run" / "checkpoint_last.pth")
     assert a["step"] == b["step"] == 4 and int(b["model"]["queue_ptr"]) == 0
     assert_same_state(a["model"], b["model"])
     assert_same_state(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
+    assert a["scaler"] == b["scaler"]  # scale and growth tracker: the resumed scaler counted every step
 
 
 def test_stop_requests_are_checked_every_print_freq_steps(small, tmp_path, monkeypatch):
@@ -240,6 +233,7 @@ def test_stop_requests_are_checked_every_print_freq_steps(small, tmp_path, monke
     assert stop.value.code == main_pretrain.PREEMPTED_EXIT_CODE
     ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (2, 0, 4)
+    assert_trained(tmp_path / "run")
 
 
 # ---------------------------------------------------------------- 2. crash safety
@@ -268,6 +262,7 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
 def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
     out = tmp_path / "out"
     pretrain(small, out, "--epochs", 1)
+    assert_trained(out)
     last = out / "checkpoint_last.pth"
     before = last.read_bytes()
     real_save = torch.save
@@ -289,6 +284,7 @@ def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
 def test_keep_last_k_numbered_checkpoints(small, tmp_path):
     out = tmp_path / "out"
     pretrain(small, out, "--epochs", 3, "--save-freq", 1, "--keep-checkpoints", 2)
+    assert_trained(out)
     assert sorted(f for f in os.listdir(out) if f.startswith("checkpoint_")) == [
         "checkpoint_0002.pth", "checkpoint_0003.pth", "checkpoint_last.pth"]
     assert load(out / "checkpoint_0002.pth")["epoch"] == 2 and load(out / "checkpoint_0003.pth")["epoch"] == 3
@@ -318,6 +314,7 @@ def test_unreadable_image_is_logged_once_and_replaced(tmp_path, capsys, augment)
     warnings = [line for line in stdout.splitlines() if line.startswith("warning: skipping unreadable image")]
     assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping unreadable image {bad} (")
     assert load(tmp_path / "ok" / "checkpoint_last.pth")["step"] == 6  # every batch full: replaced, not dropped
+    assert_trained(tmp_path / "ok")
     with pytest.raises(UserError, match=r"1 unreadable images, more than --max-bad-images 0"):
         pretrain(root, tmp_path / "strict", "--epochs", 1, "--max-bad-images", 0)
 
@@ -328,8 +325,8 @@ def nan_losses(steps):
     """A build_criterion whose loss is NaN at the given (1-based) steps."""
     real, calls = main_pretrain.build_criterion, [0]
 
-    def build(args):
-        criterion = real(args)
+    def build(args, *rest):
+        criterion = real(args, *rest)
 
         def loss(*a, **k):
             calls[0] += 1
@@ -370,31 +367,71 @@ def test_persistent_nan_stops_naming_lr_and_keeps_last_good_checkpoint(small, tm
     assert ckpt["epoch"] == 1 and all_finite(ckpt["model"])
 
 
-def test_transient_nan_is_skipped(small, tmp_path, monkeypatch, models):
+def test_transient_nan_is_skipped_and_counted(small, tmp_path, monkeypatch, models, capsys):
     monkeypatch.setattr(main_pretrain, "build_criterion", nan_losses({2}))
     pretrain(small, tmp_path, "--epochs", 2, "--max-nonfinite-steps", 1)
     ckpt = load(tmp_path / "checkpoint_last.pth")
     assert ckpt["epoch"] == 2 and all_finite(ckpt["model"]) and all_finite(models[0].state_dict())
+    lines = re.findall(r"\] loss (\S+) .* skipped (\d+) eta", capsys.readouterr().out)  # --print-freq 1
+    assert [skipped for _, skipped in lines] == ["0", "1", "0", "0"]
+    assert lines[1][0] == "nan" and all(float(loss) > 0 for loss, _ in lines[::2])  # no finite step: NaN, not 0
+    epochs = [json.loads(line) for line in open(tmp_path / "log.txt")]
+    assert [e["skipped_steps"] for e in epochs] == [1, 0] and all(e["loss"] > 0 for e in epochs)
 
 
-def test_non_finite_steps_change_nothing(small, tmp_path, monkeypatch, models):
+def test_an_epoch_of_non_finite_steps_changes_nothing_and_stops(small, tmp_path, monkeypatch, models, capsys):
     # every loss NaN: the steps are undone exactly, so weights and BN statistics of both branches
-    # stay those of initialisation, and the optimizer's buffers stay zero
+    # stay those of initialisation and the optimizer's buffers stay zero; the run stops after the
+    # epoch, whatever --max-nonfinite-steps says, and writes no checkpoint of it
     monkeypatch.setattr(main_pretrain, "build_criterion", nan_losses(range(1, 100)))
-    initial = {}
+    initial, optimizers = {}, []
     real_init = main_pretrain.build_optimizer
 
     def record(name, model, *a, **k):
         initial.update({n: t.detach().clone() for n, t in model.state_dict().items()})
-        return real_init(name, model, *a, **k)
+        optimizers.append(real_init(name, model, *a, **k))
+        return optimizers[-1]
     monkeypatch.setattr(main_pretrain, "build_optimizer", record)
-    pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100)
-    ckpt = load(tmp_path / "checkpoint_last.pth")
-    for name, value in ckpt["model"].items():
+    with pytest.raises(UserError) as err:
+        pretrain(small, tmp_path, "--epochs", 2, "--max-nonfinite-steps", 100)
+    message = str(err.value)
+    assert "every step of epoch 1 (2 steps) had a non-finite loss and was skipped" in message and "\n" not in message
+    assert "likely too high" in message and "last good checkpoint is kept" in message
+    assert not (tmp_path / "checkpoint_last.pth").exists()
+    assert re.findall(r"\] loss (\S+) .* skipped (\d+) eta", capsys.readouterr().out) == [("nan", "1")] * 2
+    for name, value in models[0].state_dict().items():
         if name not in ("queue", "queue_ptr") and not name.endswith("num_batches_tracked"):
             assert torch.equal(value, initial[name]), name
-    buffers = [v for state in ckpt["optimizer"]["state"].values() for v in state.values() if torch.is_tensor(v)]
+    buffers = [v for state in optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)]
     assert buffers and all(not b.any() for b in buffers)
+
+
+class OverflowingGradient(torch.autograd.Function):
+    """Identity forward, infinite gradient: a finite loss whose gradients overflow, as fp16's can."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("amp", ["none", "fp16"])
+def test_an_epoch_skipped_by_gradscaler_goes_on(small, tmp_path, monkeypatch, amp):
+    # every step's gradients overflow while its loss is finite: with fp16's GradScaler that is the scaler
+    # lowering its scale, left to --max-nonfinite-steps; without one, the epoch stops the run
+    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", torch.bfloat16)  # the scaler, without CPU fp16's slowness
+    real = main_pretrain.build_criterion
+    monkeypatch.setattr(main_pretrain, "build_criterion", lambda *a: lambda q, *r, **k: real(*a)(
+        OverflowingGradient.apply(q), *r, **k))
+    if amp == "none":
+        with pytest.raises(UserError, match="every step of epoch 1"):
+            pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100)
+    else:
+        pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100, "--amp", "fp16")
+        assert load(tmp_path / "checkpoint_last.pth")["epoch"] == 1
 
 
 # ---------------------------------------------------------------- 5. a failing or hung rank
@@ -433,13 +470,14 @@ def test_killed_rank_stops_the_job(data, tmp_path, jobs):
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", job.output), job.output[-3000:]
 
 
-HANG = '''import os, runpy, sys, time
+HANG = '''import os, runpy, signal, sys, time
 sys.path.insert(0, {repo!r})
 from sce.builder import SCE
 update, calls = SCE.update_momentum, [0]
 def hang(self, *args):  # rank 1 stops responding after its step-2 gradients were averaged
     calls[0] += 1
     if os.environ["RANK"] == "1" and calls[0] == 2:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends it: no 30 s wait for its SIGKILL
         time.sleep(3600)
     return update(self, *args)
 SCE.update_momentum = hang
@@ -455,7 +493,7 @@ def test_hung_rank_times_out(data, tmp_path, jobs):
     job = jobs(str(driver), ["--data", data, "--epochs", 1, "--output-dir", tmp_path / "o",
                              "--dist-timeout", 5] + TINY)
     code, took = job.wait(timeout=150)
-    # 5 s timeout on rank 0, then torchrun's 30 s grace before it SIGKILLs the hung rank
+    # 5 s timeout on rank 0, then torchrun stops the hung rank
     assert code != 0 and took < EXIT_LIMIT_S, (took, job.output[-3000:])
     assert "Timed out" in job.output or "timeout" in job.output.lower()
 
@@ -483,3 +521,24 @@ def test_checkpoint_load_runs_no_code(small, tmp_path):
     assert not marker.exists()
     torch.load(evil, weights_only=False)  # the payload is live: full unpickling would run it
     assert marker.exists()
+
+
+# ---------------------------------------------------------------- 7. a failed compile
+
+def test_a_failed_compile_trains_eagerly_with_one_warning(small, tmp_path, monkeypatch, capsys):
+    """--compile where the compiler fails at the first call (Inductor without Triton, say): one warning
+    naming the cause, the progress says so, and the run trains and saves its usual checkpoint."""
+    def broken_compile(module, *args, **kwargs):
+        def compiled(*a, **k):
+            raise RuntimeError("Cannot find a working triton installation")
+        module._compiled_call_impl = compiled
+    monkeypatch.setattr(torch.nn.Module, "compile", broken_compile)
+    with pytest.warns(UserWarning) as caught:
+        pretrain(small, tmp_path, "--epochs", 1, "--compile")
+    assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
+        "--compile: torch.compile of the training step failed (Cannot find a working triton installation): "
+        "running it eagerly"]
+    assert "=> compiling failed (Cannot find a working triton installation): eager steps" in capsys.readouterr().out
+    assert_trained(tmp_path)
+    ckpt = load(tmp_path / "checkpoint_last.pth")
+    assert ckpt["args"]["compile"] is True and not [k for k in ckpt["model"] if "_orig_mod" in k]

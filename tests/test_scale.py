@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_same_state, load, run_script, write_imagefolder
+from conftest import REPO, assert_same_state, assert_trained, load, run_script, write_imagefolder
 import main_pretrain
 
 TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
@@ -55,6 +55,7 @@ def test_two_nodes_equal_one_node_of_two_ranks(data, tmp_path):
     a, b = load(tmp_path / "nodes" / "checkpoint_last.pth"), load(tmp_path / "one" / "checkpoint_last.pth")
     assert a["step"] == b["step"] == 3
     assert_same_state(a["model"], b["model"])
+    assert_trained(tmp_path / "nodes")
 
 
 def test_nodes_that_disagree_stop(data, tmp_path):
@@ -69,6 +70,7 @@ def test_knn_monitor_on_two_ranks_equals_lincls_knn_in_one_process(data, tmp_pat
     out = tmp_path / "pre"
     run_script(["torchrun", "--standalone", "--nproc_per_node=2", "main_pretrain.py", "--data", data, "--epochs", "1",
                 "--knn-data", data, "--knn-k", "5", "--output-dir", str(out)] + TINY)
+    assert_trained(out)
     monitor = json.loads(open(out / "log.txt").read().splitlines()[-1])
     run_script(["main_lincls.py", "--data", data, "--pretrained", str(out / "checkpoint_last.pth"), "--knn",
                 "--knn-k", "5", "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path / "knn")])

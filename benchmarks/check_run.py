@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Exit non-zero unless a main_pretrain.py output dir shows a run that trained (for gpu_check.sh):
+every epoch of log.txt has a finite loss and no skipped step (--max-skipped), the online trunk moved away from the
+momentum one, and the checkpoint is at the expected position.
+
+    python benchmarks/check_run.py OUTPUT_DIR [--epoch E] [--step S] [--max-skipped N]
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("output_dir")
+parser.add_argument("--epoch", type=int, help="completed epochs the checkpoint must hold")
+parser.add_argument("--step", type=int, help="completed steps the checkpoint must hold")
+parser.add_argument("--max-skipped", type=int, default=0, help="skipped steps allowed in an epoch (default: 0)")
+args = parser.parse_args()
+
+with open(os.path.join(args.output_dir, "log.txt")) as f:
+    epochs = [json.loads(line) for line in f]
+ckpt = torch.load(os.path.join(args.output_dir, "checkpoint_last.pth"), map_location="cpu", weights_only=True)
+state = ckpt["model"]
+problems = [f"epoch {e['epoch']}: loss {e['loss']}, {e.get('skipped_steps')} skipped steps" for e in epochs
+            if not math.isfinite(e["loss"]) or e.get("skipped_steps", 0) > args.max_skipped]
+if torch.equal(state["encoder.conv1.weight"], state["momentum_encoder.conv1.weight"]):
+    problems.append("the online trunk equals the momentum one: no step was taken")
+for key, want in (("epoch", args.epoch), ("step", args.step)):
+    if want is not None and ckpt[key] != want:
+        problems.append(f"checkpoint {key} {ckpt[key]}, expected {want}")
+print(f"{args.output_dir}: epoch {ckpt['epoch']} step {ckpt['step']}, losses "
+      + " ".join(f"{e['loss']:.4f}" for e in epochs) + (f"; PROBLEMS: {'; '.join(problems)}" if problems else ": ok"))
+sys.exit(1 if problems else 0)

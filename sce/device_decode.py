@@ -1,0 +1,180 @@
+"""JPEG files decoded on the training device (`--decode gpu`, the default on a GPU).
+
+The loader workers only read each file's bytes, its size from the header and every random parameter
+of its views (sce.augment, the same draws in the same order as when they decode it themselves); the
+main process decodes the batch's JPEGs with torchvision's decode_jpeg on the device (the GPU's
+hardware JPEG engines on A100 / H100 / H200), then crops, resizes (antialiased) and flips each image
+there. Each view is a "geometry" row (top, left, height, width of a window of the image, the size it
+is resized to, the window of that kept, flip): a random resized crop, or an evaluation's resize and
+centre crop.
+
+Files the GPU decoder does not take (PNG and other formats, progressive or CMYK JPEG) are decoded and
+transformed by the worker as before, per image, in the same batch. A file the decoder refuses at
+decode time is decoded from the same bytes by PIL on the host; one nothing can read is named and
+replaced by the next readable image, as the loader does.
+"""
+import torch
+import torch.nn.functional as F
+import torchvision.transforms as T
+import torchvision.transforms.functional as TF
+
+from sce.augment import MEAN, STD, Encoded, EncodedSample, crop_geometry, stand_in
+from sce.loader import decode_rgb_tensor
+
+try:
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:  # torchvision without its decoders (TorchCodec era): the workers decode
+    decode_jpeg = None
+
+
+def available(device):
+    """Whether JPEGs can be decoded on `device` (torchvision's decoder, a CUDA device)."""
+    return decode_jpeg is not None and device.type == "cuda"
+
+
+def resize_crop_geometry(image_size, resize, crop):
+    """The geometry row of torchvision's Resize(resize) (the short side) then CenterCrop(crop)."""
+    h, w = image_size
+    new_long = int(resize * max(h, w) / min(h, w))
+    rh, rw = (resize, new_long) if h <= w else (new_long, resize)
+    return torch.tensor([0, 0, h, w, rh, rw, int(round((rh - crop) / 2.0)), int(round((rw - crop) / 2.0)), 0.0])
+
+
+# ---------------------------------------------------------------- batches
+
+def decode_all(datas, device):
+    """The images (3, H, W) uint8 on `device` of a list of JPEG files' bytes: one batched decode_jpeg;
+    if it fails, each image alone, and PIL on the host for those the decoder refuses; None for an
+    image nothing reads."""
+    try:
+        return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        pass
+    images = []
+    for data in datas:
+        try:
+            images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            try:
+                images.append(decode_rgb_tensor(data.numpy().tobytes()).to(device))
+            except Exception:  # noqa: BLE001: damaged beyond PIL too: the caller replaces it
+                images.append(None)
+    return images
+
+
+def resample(image, geometry, size, mode="bilinear"):
+    """One view of one image: uint8 (3, H, W) on the device and its geometry row -> float (3, size,
+    size) in [0, 255], rounded to integer levels as the workers' uint8 resize rounds."""
+    top, left, h, w, rh, rw, wt, wl, flip = (int(v) for v in geometry.tolist())
+    x = F.interpolate(image[:, top:top + h, left:left + w].unsqueeze(0).float(), size=(rh, rw), mode=mode,
+                      antialias=True, align_corners=False)
+    x = x[0, :, wt:wt + size, wl:wl + size].round().clamp(0, 255)
+    return x.flip(-1) if flip else x
+
+
+def place(n, size, device, pieces):
+    """(n, 3, size, size) float on `device` holding `pieces`, [(batch indices, rows or None), ...]."""
+    out = torch.empty((n, 3, size, size), device=device)
+    for index, rows in pieces:
+        if rows is not None and len(index):
+            out[index.to(device)] = rows.to(device, torch.float32)
+    return out
+
+
+def pretrain_views(batch, device, refetch):
+    """The views of a pretraining batch of sce.loader.collate_views before their photometric ops: per view, float
+    (N, 3, size, size) in [0, 255] on the device, and per view the packed parameter rows (N, 12).
+    refetch(key): the sample as the workers make it (sce.loader.PretrainDataset.decoded), for an image
+    no decoder reads: there it is named and replaced by the next readable one."""
+    images = decode_all(batch["jpeg"], device)
+    crops, params = [[] for _ in batch["sizes"]], [p.clone() for p in batch["params"]]
+    for j, (image, key) in enumerate(zip(images, batch["keys"])):
+        if image is None:
+            views, bad, reason = refetch(key)
+            place_at = int(batch["encoded"][j])
+            batch["bad"][place_at], batch["reasons"][place_at] = bad, reason
+            for v, (crop, row) in enumerate(views):
+                crops[v].append(crop.to(device).float())
+                params[v][place_at] = row
+        else:
+            for v, size in enumerate(batch["sizes"]):
+                crops[v].append(resample(image, batch["geometry"][v][j], size))
+    n = len(batch["encoded"]) + len(batch["decoded"])
+    return [place(n, size, device, [(batch["encoded"], torch.stack(crops[v])), (batch["decoded"], batch["images"][v])])
+            for v, size in enumerate(batch["sizes"])], params
+
+
+# ---------------------------------------------------------------- evaluation
+
+class DecodedEval(torch.utils.data.Dataset):
+    """An evaluation dataset read with sce.loader.read_encoded, whose JPEGs the device decodes: the
+    worker draws the geometry of each, a resize (short side) + centre crop (`resize` given) or, for
+    training, a random resized crop + flip; mode: the resize's interpolation. Other files go through
+    `transform` (the loader path's torchvision transform, on the worker)."""
+
+    def __init__(self, dataset, size, transform, resize=None, mode="bilinear"):
+        self.dataset, self.size, self.transform, self.resize, self.mode = dataset, size, transform, resize, mode
+        self.targets, self.classes = getattr(dataset, "targets", None), getattr(dataset, "classes", None)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        img, target = self.dataset[i]
+        if not isinstance(img, Encoded):
+            return self.transform(TF.to_pil_image(img) if torch.is_tensor(img) else img), target
+        if self.resize:
+            geometry = resize_crop_geometry(img.size, self.resize, self.size)
+        else:
+            box = T.RandomResizedCrop.get_params(stand_in(img), (0.08, 1.0), (3 / 4, 4 / 3))
+            geometry = crop_geometry(*box, self.size, bool(torch.rand(1) < 0.5))
+        return EncodedSample(img.data, [geometry], None), target
+
+    def path(self, i):
+        return self.dataset.path(i)
+
+
+def eval_batch(batch, size, device, normalize, mode="bilinear"):
+    """(normalised images (N, 3, size, size), targets) on the device, of a batch of collate_views from a
+    DecodedEval (or a plain batch). normalize: float images in [0, 1] -> normalised. mode: the
+    interpolation of the resize (the logistic regression's protocol: bicubic)."""
+    if not isinstance(batch, dict):
+        images, targets = batch
+        return images.to(device, non_blocking=True), targets
+    decoded = decode_all(batch["jpeg"], device)
+    if any(image is None for image in decoded):
+        raise RuntimeError(f"{sum(image is None for image in decoded)} image(s) of the batch are not readable")
+    views = torch.stack([resample(image, g, size, mode) for image, g in zip(decoded, batch["geometry"][0])])
+    n = len(batch["encoded"]) + len(batch["decoded"])
+    return place(n, size, device, [(batch["encoded"], normalize(views / 255)),
+                                   (batch["decoded"], batch["images"][0])]), batch["targets"]
+
+
+def normalize(x):
+    """(x - mean) / std of float images in [0, 1] (sce.augment's statistics)."""
+    mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (MEAN, STD))
+    return (x - mean) / std
+
+
+class DecodedLoader:
+    """(normalised images on the device, targets) batches of a DataLoader over a DecodedEval (with
+    sce.loader.collate_views), as sce.knn.extract_features and main_lincls.py's loops read them."""
+
+    def __init__(self, loader, device, size, mode):
+        self.loader, self.device, self.size, self.mode, self.sampler = loader, device, size, mode, loader.sampler
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield eval_batch(batch, self.size, self.device, normalize, self.mode)
+
+
+def decoded_loader(loader, device):
+    """A DecodedLoader for a DataLoader over a DecodedEval (or a Subset of one); any other, unchanged."""
+    dataset = getattr(loader, "dataset", None)
+    dataset = getattr(dataset, "dataset", None) if isinstance(dataset, torch.utils.data.Subset) else dataset
+    if not isinstance(dataset, DecodedEval):
+        return loader
+    return DecodedLoader(loader, device, dataset.size, dataset.mode)
