@@ -100,7 +100,9 @@ def main(argv=None):
     arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
     small_input = isinstance(trunk.maxpool, torch.nn.Identity)
     crop, why, warning = eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")
-    resize = args.resize or (crop if small_input else round(crop * 256 / 224))  # small images: resize to the crop
+    resize = args.resize or (crop if small_input else int(crop * 256 / 224))  # small images: resize to the crop
+    if resize < crop:
+        raise UserError(f"--resize {resize} is smaller than the {crop} px centre crop: pass --resize >= {crop}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     trunk.to(device)
     if resolve_compile(args.compile, device):

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import random
+import warnings
 
 import torch
 
@@ -20,8 +21,8 @@ from sce import distributed as du
 from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
 from sce.builder import ARCHS, SCE
 from sce.device_augment import DeviceViews
-from sce.engine import (CompileFallback, CudaGraphs, GraphedStep, Training, compile_model, lr_as_tensors,
-                        resolve_compile, train_step)
+from sce.engine import (CompileFallback, CudaGraphs, GraphedStep, Training, compile_model, error_line,
+                        lr_as_tensors, resolve_compile, revert_to_eager, train_step)
 from sce.epoch import Run, lambda_scheduled, train_one_epoch
 from sce.knn import knn_accuracy
 from sce.loader import (DATASETS, ResumableSampler, build_dataset, digits_imagefolder, eval_crop_size,
@@ -66,7 +67,8 @@ g.add_argument("--decode", choices=["auto", "device", "loader"], default="auto",
                help="where JPEG files are decoded with --augment gpu: device (the GPU's JPEG engines; on a CPU "
                     "run, the training process) after the workers read their bytes, header and random parameters, "
                     "then cropped and resized there; or in the loader workers. Other files (PNG, progressive or "
-                    "CMYK JPEG) are decoded by the workers either way. auto: device on a GPU, else loader")
+                    "CMYK JPEG) are decoded by the workers either way. auto: device on a GPU with JPEG engines (A100, "
+                    "H100, H200, ...), else loader")
 g.add_argument("--crop-size", type=int, default=224, help="size of the global views in pixels")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(AUGMENTATIONS),
@@ -441,8 +443,19 @@ def knn_monitor(args, model, knn_sets, device):
     statistics are rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's."""
     for buffer in model.encoder.buffers():
         du.broadcast(buffer)
-    return knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t, workers=min(args.workers, 4),
-                        max_train=args.knn_max_train, seed=args.seed)
+
+    def accuracy():
+        return knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t, workers=min(args.workers, 4),
+                            max_train=args.knn_max_train, seed=args.seed)
+    if not args.compile:
+        return accuracy()
+    try:  # the compiled encoder compiles again in eval mode: a failure there costs the monitor nothing
+        return accuracy()
+    except Exception as e:  # noqa: BLE001: whatever stopped the compiled encoder, the eager one decides
+        revert_to_eager(model.encoder)
+        result = accuracy()
+        warnings.warn(f"--compile: the kNN monitor's compile failed ({error_line(e)}): the encoder runs eagerly")
+        return result
 
 
 if __name__ == "__main__":

@@ -125,6 +125,9 @@ class Cycle(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.dataset[i % len(self.dataset)]
 
+    def path(self, i):
+        return self.dataset.path(i % len(self.dataset))
+
 
 def make_loader(dataset, augment, batches, workers=None):
     views = MultiView([View("weak", args.crop_size, on_device=augment != "cpu"),

@@ -3,7 +3,7 @@
 libjpeg-turbo (its CPU decoder, what the loader workers use), in 8-bit levels over every pixel of the
 images; exit 1 past the bounds (for gpu_check.sh).
 
-    python benchmarks/check_decode.py [--data DIR] [--images 64] [--max-mean 1.5] [--max-diff 48]
+    python benchmarks/check_decode.py [--data DIR] [--images 64] [--max-mean 2] [--max-diff 80]
 
 Without --data, the benchmark's photos (500x375, quality 98); with it, the JPEGs under DIR.
 """
@@ -23,8 +23,9 @@ from photos import write_photos  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR", help="a folder of JPEG files (searched recursively)")
 parser.add_argument("--images", type=int, default=64, help="images compared (default: 64)")
-parser.add_argument("--max-mean", type=float, default=1.5, help="bound on the mean difference, levels (default: 1.5)")
-parser.add_argument("--max-diff", type=float, default=48, help="bound on the largest difference, levels (default: 48)")
+# torchvision's own CUDA test asks a mean under 2; nvJPEG's chroma upsampling differs from libjpeg's "fancy" one
+parser.add_argument("--max-mean", type=float, default=2.0, help="bound on the mean difference, levels (default: 2)")
+parser.add_argument("--max-diff", type=float, default=80, help="bound on the largest difference, levels (default: 80)")
 parser.add_argument("--device", default="cuda", help="(default: cuda)")
 args = parser.parse_args()
 

@@ -89,7 +89,7 @@ DECODE_CHECK=$([ "${SMOKE:-0}" = 1 ] && echo "--device cpu --images 8")
 # shellcheck disable=SC2086
 check decode_pixels 60 python benchmarks/check_decode.py $DECODE_CHECK
 # shellcheck disable=SC2086
-check bench_imagenet 240 python benchmarks/bench_pretrain.py $R50 "${STEPS[@]}" $COMPILE --augment cpu gpu decode \
+check bench_imagenet 300 python benchmarks/bench_pretrain.py $R50 "${STEPS[@]}" $COMPILE --augment cpu gpu decode \
     --e2e-workers 4 --lincls --profile
 
 # the demo's ImageFolder (scikit-learn's digits; 1437 train / 360 val images) for the script checks

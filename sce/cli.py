@@ -105,7 +105,8 @@ def add_decode_arg(parser):
     """--decode auto|device|loader of the evaluation scripts; auto is resolved by resolve_decode."""
     parser.add_argument("--decode", default="auto", choices=["auto", "device", "loader"],
                         help="device: JPEG files decoded, resized and cropped on the device (the GPU's JPEG engines; "
-                             "other files by the workers); loader: all by the loader's workers; auto: device on a GPU")
+                             "other files by the workers); loader: all by the loader's workers; auto: device on a GPU with "
+                             "JPEG engines (A100, H100, H200, ...)")
 
 
 def resolve_decode(decode, device):

@@ -13,6 +13,8 @@ transformed by the worker as before, per image, in the same batch. A file the de
 decode time is decoded from the same bytes by PIL on the host; one nothing can read is named and
 replaced by the next readable image, as the loader does.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 import torchvision.transforms as T
@@ -28,8 +30,13 @@ except ImportError:  # torchvision without its decoders (TorchCodec era): the wo
 
 
 def available(device):
-    """Whether JPEGs can be decoded on `device` (torchvision's decoder, a CUDA device)."""
-    return decode_jpeg is not None and device.type == "cuda"
+    """Whether JPEGs are best decoded on `device`: torchvision's decoder on a GPU with hardware JPEG
+    engines (A100, A30, H100, H200, B200, L4, L40). Elsewhere (V100, T4, A10, consumer GPUs) nvJPEG
+    decodes on the host, in the training process, slower than the loader's workers."""
+    if decode_jpeg is None or device.type != "cuda":
+        return False
+    capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    return capability in ((8, 0), (9, 0)) or capability[0] >= 10 or name.startswith(("NVIDIA L4", "NVIDIA L40"))
 
 
 def resize_crop_geometry(image_size, resize, crop):
@@ -42,14 +49,38 @@ def resize_crop_geometry(image_size, resize, crop):
 
 # ---------------------------------------------------------------- batches
 
-def decode_all(datas, device):
-    """The images (3, H, W) uint8 on `device` of a list of JPEG files' bytes: one batched decode_jpeg;
-    if it fails, each image alone, and PIL on the host for those the decoder refuses; None for an
-    image nothing reads."""
+def decode_all(batch, device):
+    """The images (3, H, W) uint8 on `device` of a batch's JPEG bytes (collate_views' jpeg and lengths):
+    one batched decode_jpeg; if it fails, each image alone, and PIL on the host for those the decoder
+    refuses; None for an image nothing reads. On CUDA the decoder runs on a side stream, so that its
+    outputs never take memory the current stream's queued work still uses (torchvision's decoder does
+    not wait for that stream)."""
+    datas = list(batch["jpeg"].split(batch["lengths"]))
+    if device.type != "cuda":
+        return _decode(datas, device)
+    stream, current = _STREAMS.setdefault(str(device), torch.cuda.Stream(device)), torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        images = _decode(datas, device)
+    current.wait_stream(stream)
+    for image in images:
+        if image is not None:
+            image.record_stream(current)
+    return images
+
+
+_STREAMS = {}  # device -> the decoder's stream
+_warned = []
+
+
+def _decode(datas, device):
     try:
         return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=device))
-    except RuntimeError:
-        pass
+    except RuntimeError as e:  # one refused image fails the whole list
+        if not _warned:
+            _warned.append(e)
+            warnings.warn(f"the device's JPEG decoder refused a batch ({str(e).strip()[:150]}): its images are decoded "
+                          "one by one, those it refuses by PIL on the host (slower; this warning is shown once)")
     images = []
     for data in datas:
         try:
@@ -63,21 +94,31 @@ def decode_all(datas, device):
 
 
 def resample(image, geometry, size, mode="bilinear"):
-    """One view of one image: uint8 (3, H, W) on the device and its geometry row -> float (3, size,
-    size) in [0, 255], rounded to integer levels as the workers' uint8 resize rounds."""
-    top, left, h, w, rh, rw, wt, wl, flip = (int(v) for v in geometry.tolist())
-    x = F.interpolate(image[:, top:top + h, left:left + w].unsqueeze(0).float(), size=(rh, rw), mode=mode,
-                      antialias=True, align_corners=False)
-    x = x[0, :, wt:wt + size, wl:wl + size].round().clamp(0, 255)
-    return x.flip(-1) if flip else x
+    """One view of one image before its rounding and flip (crops): uint8 (3, H, W) on the device and
+    its geometry row -> float (3, size, size) in [0, 255]."""
+    top, left, h, w, rh, rw, wt, wl, _ = (int(v) for v in geometry.tolist())
+    x = image[:, top:top + h, left:left + w].unsqueeze(0).float()
+    if max(h / rh, w / rw) > 32:  # CUDA's antialiased resize runs out of shared memory past ~90x: two steps
+        x = F.interpolate(x, size=(rh * 16, rw * 16), mode=mode, antialias=True, align_corners=False)
+    x = F.interpolate(x, size=(rh, rw), mode=mode, antialias=True, align_corners=False)
+    return x[0, :, wt:wt + size, wl:wl + size]
+
+
+def crops(images, geometry, size, mode="bilinear"):
+    """The views of decoded images with their geometry rows, (n, 3, size, size) float in [0, 255],
+    rounded to integer levels as the workers' uint8 resize rounds, and flipped where asked."""
+    x = torch.stack([resample(image, g, size, mode) for image, g in zip(images, geometry)]).round_().clamp_(0, 255)
+    flip = geometry[:, 8].to(x.device, non_blocking=True) > 0
+    return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
 
 
 def place(n, size, device, pieces):
-    """(n, 3, size, size) float on `device` holding `pieces`, [(batch indices, rows or None), ...]."""
+    """(n, 3, size, size) float on `device` holding `pieces`, [(batch indices, rows or None), ...]; the
+    loader pins both, so their copies do not wait for the device."""
     out = torch.empty((n, 3, size, size), device=device)
     for index, rows in pieces:
         if rows is not None and len(index):
-            out[index.to(device)] = rows.to(device, torch.float32)
+            out[index.to(device, non_blocking=True)] = rows.to(device, non_blocking=True).float()
     return out
 
 
@@ -86,21 +127,20 @@ def pretrain_views(batch, device, refetch):
     (N, 3, size, size) in [0, 255] on the device, and per view the packed parameter rows (N, 12).
     refetch(key): the sample as the workers make it (sce.loader.PretrainDataset.decoded), for an image
     no decoder reads: there it is named and replaced by the next readable one."""
-    images = decode_all(batch["jpeg"], device)
-    crops, params = [[] for _ in batch["sizes"]], [p.clone() for p in batch["params"]]
-    for j, (image, key) in enumerate(zip(images, batch["keys"])):
-        if image is None:
-            views, bad, reason = refetch(key)
-            place_at = int(batch["encoded"][j])
-            batch["bad"][place_at], batch["reasons"][place_at] = bad, reason
-            for v, (crop, row) in enumerate(views):
-                crops[v].append(crop.to(device).float())
-                params[v][place_at] = row
-        else:
-            for v, size in enumerate(batch["sizes"]):
-                crops[v].append(resample(image, batch["geometry"][v][j], size))
+    images = decode_all(batch, device)
+    params = [p.clone() for p in batch["params"]]
+    readable = [j for j, image in enumerate(images) if image is not None]
+    pieces = [[(batch["encoded"][readable], crops([images[j] for j in readable], g[readable], size) if readable
+                else None)] for g, size in zip(batch["geometry"], batch["sizes"])]
+    for j in (j for j, image in enumerate(images) if image is None):  # named and replaced by the workers' path
+        views, bad, reason = refetch(batch["keys"][j])
+        place_at = int(batch["encoded"][j])
+        batch["bad"][place_at], batch["reasons"][place_at] = bad, reason
+        for v, (crop, row) in enumerate(views):
+            pieces[v].append((torch.tensor([place_at]), crop[None]))
+            params[v][place_at] = row
     n = len(batch["encoded"]) + len(batch["decoded"])
-    return [place(n, size, device, [(batch["encoded"], torch.stack(crops[v])), (batch["decoded"], batch["images"][v])])
+    return [place(n, size, device, pieces[v] + [(batch["decoded"], batch["images"][v])])
             for v, size in enumerate(batch["sizes"])], params
 
 
@@ -141,18 +181,23 @@ def eval_batch(batch, size, device, normalize, mode="bilinear"):
     if not isinstance(batch, dict):
         images, targets = batch
         return images.to(device, non_blocking=True), targets
-    decoded = decode_all(batch["jpeg"], device)
+    decoded = decode_all(batch, device)
     if any(image is None for image in decoded):
         raise RuntimeError(f"{sum(image is None for image in decoded)} image(s) of the batch are not readable")
-    views = torch.stack([resample(image, g, size, mode) for image, g in zip(decoded, batch["geometry"][0])])
+    views = crops(decoded, batch["geometry"][0], size, mode)
     n = len(batch["encoded"]) + len(batch["decoded"])
     return place(n, size, device, [(batch["encoded"], normalize(views / 255)),
                                    (batch["decoded"], batch["images"][0])]), batch["targets"]
 
 
+_STATS = {}  # device -> (mean, std), made once: a new tensor's copy to the device waits for it
+
+
 def normalize(x):
     """(x - mean) / std of float images in [0, 1] (sce.augment's statistics)."""
-    mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (MEAN, STD))
+    if str(x.device) not in _STATS:
+        _STATS[str(x.device)] = tuple(torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (MEAN, STD))
+    mean, std = _STATS[str(x.device)]
     return (x - mean) / std
 
 

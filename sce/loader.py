@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as TF
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 from torch.utils.data import Dataset, Sampler
 from torchvision.datasets import CIFAR10, CIFAR100, STL10, ImageFolder
 
@@ -76,7 +76,7 @@ def eval_crop_size(given, small_input, ckpt_args=None, dataset="imagefolder"):
 def collate_views(samples):
     """The collate_fn of every loader that may meet an encoded JPEG (sce.device_decode): samples are
     (views, bad, reason) in pretraining, (image, target) in evaluation. With no EncodedSample among
-    them, torch's default_collate. Else a dict: jpeg (the bytes of the encoded samples), encoded /
+    them, torch's default_collate. Else a dict: jpeg, lengths (the encoded samples' bytes, end to end), encoded /
     decoded (their places in the batch), sizes (of the views), geometry (per view, (n_encoded, 9), on
     the host), images (per view, the decoded samples' tensors: uint8 crops in pretraining, normalised
     images in evaluation), keys; pretraining: params (per view, (N, 12) in batch order), bad, reasons;
@@ -87,8 +87,9 @@ def collate_views(samples):
         return torch.utils.data.default_collate(samples)
     decoded = [i for i, x in enumerate(first) if not isinstance(x, EncodedSample)]
     views = range(len(first[encoded[0]].geometry))
-    batch = dict(jpeg=[first[i].data for i in encoded], encoded=torch.tensor(encoded),
-                 decoded=torch.tensor(decoded, dtype=torch.long),
+    # the files' bytes as one tensor: one shared-memory segment from a worker, not one per image
+    batch = dict(jpeg=torch.cat([first[i].data for i in encoded]), lengths=[len(first[i].data) for i in encoded],
+                 encoded=torch.tensor(encoded), decoded=torch.tensor(decoded, dtype=torch.long),
                  keys=[first[i].key for i in encoded], sizes=[int(first[encoded[0]].geometry[v][4]) for v in views],
                  geometry=[torch.stack([first[i].geometry[v] for i in encoded]) for v in views])
     if len(samples[0]) == 3:  # pretraining: a decoded sample's views are (uint8 crop, packed row) pairs
@@ -156,19 +157,24 @@ def decode_rgb_tensor(data):
 
 
 def read_header(data):
-    """(format, mode, (height, width), progressive) of an image file's bytes, from its header alone."""
+    """(format, mode, (height, width), plain) of an image file's bytes, from its header alone. plain: a
+    JPEG of the kind GPU decoders take, baseline, gray or YCbCr 4:4:4 / 4:2:2 / 4:2:0 (not progressive,
+    not CMYK, not Adobe's RGB-coded kind)."""
     img = Image.open(io.BytesIO(data))
-    return img.format, img.mode, (img.height, img.width), bool(img.info.get("progressive"))
+    plain = (img.format == "JPEG" and img.mode in ("RGB", "L") and not img.info.get("progressive")
+             and img.info.get("adobe_transform") != 0
+             and (img.mode == "L" or JpegImagePlugin.get_sampling(img) in (0, 1, 2)))
+    return img.format, img.mode, (img.height, img.width), plain
 
 
 def read_encoded(path):
-    """A baseline colour or gray JPEG, which a GPU decodes (sce.device_decode), as an Encoded: its bytes
-    and its size from the header; any other file (PNG, progressive or CMYK JPEG, ...) decoded here into
-    a uint8 tensor (3, H, W), as load_rgb_tensor."""
+    """A plain JPEG (read_header), which the training device decodes (sce.device_decode), as an Encoded:
+    its bytes and its size from the header; any other file (PNG, progressive or CMYK JPEG, ...) decoded
+    here into a uint8 tensor (3, H, W), as load_rgb_tensor."""
     with open(path, "rb") as f:
         data = f.read()
-    fmt, mode, size, progressive = read_header(data)
-    if decode_jpeg and fmt == "JPEG" and mode in ("RGB", "L") and not progressive:
+    _, _, size, plain = read_header(data)
+    if decode_jpeg and plain:
         return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size)
     return decode_rgb_tensor(data)
 

@@ -44,7 +44,8 @@ def test_header_size_and_which_files_the_device_decodes(files):
         got = read_encoded(path)
         if name in ("baseline.jpg", "full_chroma.jpg", "gray.jpg"):
             assert isinstance(got, Encoded) and got.size == (47, 61), name
-            assert torch.equal(device_decode.decode_all([got.data], torch.device("cpu"))[0], decoded), name
+            batch = {"jpeg": got.data, "lengths": [len(got.data)]}
+            assert torch.equal(device_decode.decode_all(batch, torch.device("cpu"))[0], decoded), name
         else:  # decoded by the worker, as the loader path does
             assert torch.is_tensor(got) and torch.equal(got, decoded), name
 
@@ -52,11 +53,11 @@ def test_header_size_and_which_files_the_device_decodes(files):
 def test_device_crop_equals_torchvisions_resized_crop(photo):
     image = TF.pil_to_tensor(photo)
     for top, left, h, w, flip in [(0, 0, 240, 320, False), (10, 30, 50, 80, True), (100, 200, 17, 13, False)]:
-        got = device_decode.resample(image, crop_geometry(top, left, h, w, 32, flip), 32)
+        got = device_decode.crops([image], crop_geometry(top, left, h, w, 32, flip)[None], 32)[0]
         expected = TF.resized_crop(image, top, left, h, w, [32, 32], antialias=True)  # the workers' uint8 resize
         expected = TF.hflip(expected) if flip else expected
         assert (got - expected.float()).abs().max() <= 1  # both round to levels; their filters agree to 1
-    got = device_decode.resample(image, device_decode.resize_crop_geometry((240, 320), 36, 32), 32)
+    got = device_decode.crops([image], device_decode.resize_crop_geometry((240, 320), 36, 32)[None], 32)[0]
     expected = TF.center_crop(TF.resize(image, 36, antialias=True), 32)  # Resize(36) then CenterCrop(32)
     assert (got - expected.float()).abs().max() <= 1
 

@@ -542,3 +542,19 @@ def test_a_failed_compile_trains_eagerly_with_one_warning(small, tmp_path, monke
     assert_trained(tmp_path)
     ckpt = load(tmp_path / "checkpoint_last.pth")
     assert ckpt["args"]["compile"] is True and not [k for k in ckpt["model"] if "_orig_mod" in k]
+
+
+def test_a_failed_compile_of_the_knn_monitor_runs_it_eagerly(small, tmp_path, monkeypatch):
+    """The compiled encoder compiles again for the kNN monitor (eval mode): a failure there only costs
+    one warning; the monitor runs eagerly and the run goes on."""
+    def compile_failing_in_eval(module, *args, **kwargs):
+        def compiled(*a, **k):
+            if not module.training:
+                raise RuntimeError("Triton Error: out of resources")
+            return module._call_impl(*a, **k)
+        module._compiled_call_impl = compiled
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_failing_in_eval)
+    knn = write_imagefolder(tmp_path / "knn", num_classes=2, per_class=4, size=20)
+    with pytest.warns(UserWarning, match=r"the kNN monitor's compile failed \(Triton Error: out of resources\)"):
+        pretrain(small, tmp_path / "out", "--epochs", 1, "--compile", "--knn-data", knn, "--knn-k", "3")
+    assert "knn_top1" in json.loads(open(tmp_path / "out" / "log.txt").read().splitlines()[-1])
