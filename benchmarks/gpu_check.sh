@@ -2,8 +2,8 @@
 # Every GPU check of the project in one run on one lent GPU, in under 8 minutes; a summary table at the end,
 # and a non-zero exit naming the checks that failed.
 #   bash benchmarks/gpu_check.sh [LOG_DIR]        (default LOG_DIR: runs/gpu_check)
-# CIFAR-10 (data/cifar10/{train,val} in the checkout when present, e.g. the JPEG archive unpacked there; else the
-# benchmark's random images and no CIFAR script checks), RECIPES.md's setting (ResNet-18 small-input, batch 256,
+# CIFAR-10 (data/cifar10/{train,val} in the checkout when present, or unpacked here from data/cifar10-jpeg.tar.gz;
+# else the benchmark's random images and no CIFAR script checks), RECIPES.md's setting (ResNet-18 small-input, batch 256,
 # split BN 8, queue 4096, bf16, channels_last):
 #   1. bench_cifar: the step, as a CUDA graph, and end to end from preloaded images, beside the supervised and
 #      ideal-asymmetric references; 2. bench_cifar_eager: the same without the graph;
@@ -48,6 +48,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" | tee -a "$LOG/checks.log"
 
 CIFAR=data/cifar10
+if [ ! -d "$CIFAR/train" ] && [ -f data/cifar10-jpeg.tar.gz ]; then  # the archive travels (20 MB), not its 240 MB
+    mkdir -p "$CIFAR" && tar -xzf data/cifar10-jpeg.tar.gz -C "$CIFAR"
+fi
 SMALL="--arch resnet18 --small-input --crop-size 32 --batch-size 256 --queue-size 4096 --shuffle-bn --bn-splits 8
        --proj-hidden-dims 512 --proj-dim 256 --proj-last-bn none --amp bf16 --channels-last"
 R50="--arch resnet50 --batch-size 256 --crop-size 224 --amp bf16 --channels-last --workers $WORKERS"
