@@ -19,11 +19,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from sce import UserError, cli, transfer
 from sce import distributed as du
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
+from sce.device_decode import DecodedEval, decoded_loader
 from sce.engine import compile_trunk, resolve_compile
 from sce.knn import Shard, knn_accuracy
-from sce.loader import DATASETS, MEAN, STD, build_dataset, collate_views, eval_crop_size, eval_transform
+from sce.loader import (DATASETS, MEAN, STD, build_dataset, collate_views, eval_crop_size, eval_resize,
+                        eval_transform)
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
-from sce.device_decode import DecodedEval, decoded_loader
 from sce.preload import Images, PreloadedBatches, preload_eval
 
 
@@ -171,19 +172,25 @@ def loader(ds, batch, args, sampler, device, train=False):
                                      collate_fn=collate_views), device)
 
 
+def decodes_on_device(args):
+    """JPEGs decoded, resized and cropped on the device (--decode device), for an ImageNet-stem trunk: a
+    small-input one is preloaded instead, its protocol's padded random crop is not a device geometry."""
+    return args.decode == "device" and not args.small_input
+
+
 def splits(args, device, augment_train):
     """(train, val, number of classes) as the evaluation reads them: preloaded on the device (a
     small-input trunk, --preload), read for the device's JPEG decoder (an ImageNet-stem trunk, --decode
     device) or with the loader's transforms. augment_train: the linear probe's random crops and flips."""
-    encoded = args.decode == "device" and not args.small_input
+    encoded = decodes_on_device(args)
     train, val = (build_dataset(args.dataset, args.data, split, encoded=encoded) for split in ("train", "val"))
     classes = num_classes_of(train, val, args)
     bank, queries = preloaded(args, train, "train", device, augment_train), preloaded(args, val, "val", device)
     if bank and queries:
         return bank, queries, classes
     train_tf, val_tf = (eval_transform(t, args.crop_size, args.small_input) for t in (augment_train, False))
-    if encoded:  # the loader path's resize 256 / centre crop 224, scaled with --crop-size
-        resize = int(args.crop_size * 256 / 224)
+    if encoded:  # the loader path's resize and centre crop
+        resize = eval_resize(args.crop_size)
         return (DecodedEval(train, args.crop_size, train_tf, None if augment_train else resize),
                 DecodedEval(val, args.crop_size, val_tf, resize), classes)
     train.transform, val.transform = train_tf, val_tf
@@ -377,8 +384,7 @@ def features(args, trunk, ds, split, source, device):
     """Cached trunk features of one split (not normalised), and its labels."""
     x = cli.split_features(trunk, ds, split, args.output_dir, device, checkpoint=source, batch_size=256,
                            workers=args.workers, amp=args.amp, encoder=args.encoder, arch=args.arch,
-                           small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data),
-                           decoded_on_device=isinstance(ds, DecodedEval))
+                           small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data))
     return x, np.asarray(ds.targets)
 
 
@@ -409,7 +415,7 @@ def run_logreg(args, trunk, source, device):
                         "multi-label voc07, top1 / mean-per-class for the others")
     if not one_process():  # scikit-learn runs on one process
         return
-    encoded = args.decode == "device" and not args.small_input
+    encoded = decodes_on_device(args)
 
     def read(dataset):  # an ImageNet-stem trunk's JPEGs decoded, resized and cropped on the device (--decode)
         return DecodedEval(dataset, args.crop_size, tf, args.crop_size, "bicubic") if encoded else dataset

@@ -30,7 +30,7 @@ from sce import UserError, cli, transfer
 from sce.checkpoint import checkpoint_arch, load_trunk
 from sce.engine import compile_trunk, resolve_compile
 from sce.device_decode import DecodedEval
-from sce.loader import MEAN, STD, eval_crop_size
+from sce.loader import MEAN, STD, eval_crop_size, eval_resize
 
 
 def shots_arg(value):
@@ -100,7 +100,7 @@ def main(argv=None):
     arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
     small_input = isinstance(trunk.maxpool, torch.nn.Identity)
     crop, why, warning = eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")
-    resize = args.resize or (crop if small_input else int(crop * 256 / 224))  # small images: resize to the crop
+    resize = args.resize or eval_resize(crop, small_input)
     if resize < crop:
         raise UserError(f"--resize {resize} is smaller than the {crop} px centre crop: pass --resize >= {crop}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,8 +121,7 @@ def main(argv=None):
         feats = cli.split_features(trunk, DecodedEval(images, crop, tf, resize) if on_device else images, split,
                                    args.output_dir, device, checkpoint=args.pretrained, batch_size=args.batch_size,
                                    workers=args.workers, amp=args.amp, encoder=args.encoder, arch=arch,
-                                   small_input=small_input, dataset="voc07", data=os.path.abspath(args.data),
-                                   decoded_on_device=on_device)
+                                   small_input=small_input, dataset="voc07", data=os.path.abspath(args.data))
         return transfer.l2_normalize_rows(feats)
 
     train_x = features("trainval", trainval_paths, trainval_y)

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from sce import UserError, checkpoint, cli, device_decode, losses
+from sce import UserError, checkpoint, cli, losses
 from sce import distributed as du
 from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
 from sce.builder import ARCHS, SCE
@@ -251,7 +251,7 @@ def build_criterion(args, lambda_=None):
 def main(argv=None):
     args = parse_args(argv)
     rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
-    resolve_device_defaults(args, device)
+    resolve_device_defaults(args, device, world_size)
     if world_size > 1:
         check_ranks_agree(args)
     bn_splits = check_world(args, world_size, device)
@@ -307,7 +307,7 @@ def main(argv=None):
 
     terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
     training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=terms)
-    run = Run(args, training, build_step(args, training, world_size, device), loader, batches, sampler, device,
+    run = Run(args, training, build_step(args, training, device), loader, batches, sampler, device,
               writer, preemption, base_lr, max_bad, nonfinite=torch.zeros((), device=device), lam=lam)
     run.first_step = start_epoch * run.steps_per_epoch + start_step
     epochs_done_here = 0
@@ -342,13 +342,18 @@ def main(argv=None):
     du.cleanup()
 
 
-def resolve_device_defaults(args, device):
+def resolve_device_defaults(args, device, world_size):
     """The defaults that depend on the device, resolved so that args.json and the checkpoints record
-    them: on a GPU the augmentations run there, JPEGs are decoded there and the model is compiled."""
+    them: on a GPU the augmentations run there, JPEGs are decoded there, the model is compiled and,
+    on one GPU process without fp16's GradScaler, the step is a CUDA graph."""
     args.augment = args.augment or ("gpu" if device.type == "cuda" or args.preload == "device" else "cpu")
-    if args.decode == "auto":
-        args.decode = "device" if args.augment == "gpu" and device_decode.available(device) else "loader"
+    args.decode = cli.resolve_decode(args.decode, device) if args.augment == "gpu" else "loader"
     args.compile = resolve_compile(args.compile, device)
+    graph_possible = device.type == "cuda" and world_size == 1 and args.amp != "fp16"
+    if args.cuda_graph and not graph_possible:
+        print("=> --cuda-graph needs one GPU process without --amp fp16 (GradScaler): the step runs eagerly",
+              flush=True)
+    args.cuda_graph = graph_possible and args.cuda_graph is not False
 
 
 def build_batches(args, dataset, sampler, views, device, max_bad):
@@ -365,16 +370,11 @@ def build_batches(args, dataset, sampler, views, device, max_bad):
     return loader, DeviceViews(loader, device, amp_dtype, args.channels_last)
 
 
-def build_step(args, training, world_size, device):
+def build_step(args, training, device):
     """The step function f(views, momentum) -> (loss, finite, terms): train_step, or its CUDA graph;
     with --compile, eager again if compiling fails."""
-    possible = device.type == "cuda" and world_size == 1 and args.amp != "fp16"
-    if args.cuda_graph and not possible:
-        print("=> --cuda-graph needs one GPU process without --amp fp16 (GradScaler): the step runs eagerly",
-              flush=True)
-    if not possible or args.cuda_graph is False:
-        step = functools.partial(train_step, training)
-    else:
+    step = functools.partial(train_step, training)
+    if args.cuda_graph:
         lr_as_tensors(training.optimizer, device)
         step = GraphedStep(training, CudaGraphs(device))
     return CompileFallback(step, training) if args.compile else step

@@ -40,7 +40,8 @@ from sce import preload  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE, build_trunk  # noqa: E402
 from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
-from sce.engine import CudaGraphs, GraphedStep, Training, compile_model, lr_as_tensors, train_step  # noqa: E402
+from sce.engine import (CudaGraphs, GraphedStep, Training, compile_model, compile_trunk, lr_as_tensors,  # noqa: E402
+                        train_step)
 from sce.loader import ResumableSampler, build_dataset, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
@@ -80,8 +81,8 @@ parser.add_argument("--workers", type=int, default=cli.default_workers(),
                     help="loader processes; 0 measures one core in this process (default: main_pretrain.py's, "
                          f"cores - 1 up to 16, here {cli.default_workers()})")
 parser.add_argument("--e2e-workers", type=int, nargs="*", default=[], metavar="N",
-                    help="end to end with --augment gpu again with N loader processes each: does the loader compete "
-                         "with the training process for the cores?")
+                    help="end to end with --augment gpu and decode again with N loader processes each: does the loader "
+                         "compete with the training process for the cores?")
 parser.add_argument("--steps", type=int, default=20, help="timed steps or batches per measurement (default: 20)")
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement (default: 3)")
 parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
@@ -89,6 +90,8 @@ parser.add_argument("--skip-data", action="store_true", help="measure the traini
 parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
 args = parser.parse_args()
 device = torch.device(args.device)
+if args.lincls and args.data:
+    parser.error("--lincls splits the benchmark's own photos into two classes: drop --data")
 if args.cuda_graph and device.type != "cuda":
     parser.error("--cuda-graph needs a CUDA device")
 torch.backends.cudnn.benchmark = True  # as main_pretrain.py
@@ -165,25 +168,22 @@ def bench_references():
         model, feat_dim = build_trunk(args.arch, args.small_input)
         model.fc = torch.nn.Linear(feat_dim, 1000)
         model = model.to(device, memory_format=MEMORY_FORMAT)
-        if args.compile:
-            model.compile()
-        return model
+        return compile_trunk(model) if args.compile else model
     torch.manual_seed(0)
     online, target = plain(), plain()
     optimizer = torch.optim.SGD(online.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
     views = synthetic_views()
     labels = torch.randint(1000, (args.batch_size,), device=device)
-    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
     def supervised(_views, _m):
-        with autocast:
+        with cli.autocast(device, args.amp):
             loss = torch.nn.functional.cross_entropy(online(views[1]), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
     def ideal(_views, _m):
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), cli.autocast(device, args.amp):
             target(views[0])
         supervised(_views, _m)
     for name, step in (("supervised_reference", supervised), ("ideal_asymmetric", ideal)):
@@ -204,7 +204,8 @@ def synthetic_views():
 
 
 def bench_data(dataset, augment):
-    """The loader alone; for gpu, then the device-side augmentation of its last batch, timed apart."""
+    """The loader alone; for gpu and decode, then the device side (decoding, augmentation) of its last
+    batch, timed apart."""
     batches = iter(make_loader(dataset, augment, args.warmup + args.steps))
     for _ in range(args.warmup):
         next(batches)
@@ -351,11 +352,10 @@ class PreloadedEpochs:
             yield from preload.PreloadedViews(self.images, views, sampler, 0, amp_dtype, args.channels_last)
 
 
-def preloaded_images(root):
-    """--data decoded once onto the device, else 4 batches of random images of --image-size."""
+def preloaded_images(dataset):
+    """--data (dataset) decoded once onto the device, else 4 batches of random images of --image-size."""
     if args.data:
-        return preload.preload(build_dataset("imagefolder", root, "pretrain", as_tensor=True), device, required=True,
-                               workers=args.workers)
+        return preload.preload(dataset, device, required=True, workers=args.workers)
     size = args.image_size or args.crop_size
     g = torch.Generator().manual_seed(0)
     return preload.Images(torch.randint(0, 256, (4 * args.batch_size, 3, size, size), generator=g,
@@ -419,20 +419,20 @@ def bench_lincls(root, tmp):
         cmd = [sys.executable, os.path.join(ROOT, "main_lincls.py"), "--data", data, "--pretrained",
                os.path.join(tmp, "trunk.pth"), "--arch", args.arch, "--crop-size", str(args.crop_size), "--batch-size",
                str(args.batch_size), "--workers", str(args.workers), "--amp", args.amp, "--output-dir",
-               os.path.join(tmp, what)] + (["--small-input"] if args.small_input else []) + extra
+               os.path.join(tmp, what), "--compile" if args.compile else "--no-compile"] + extra \
+            + (["--small-input"] if args.small_input else [])
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         found = re.findall(r"(\d+) images/s", out.stdout)
         if out.returncode or not found:
             raise SystemExit(f"error: {' '.join(cmd)} failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         rates[what] = float(found[-1])
-    trunk = trunk.to(device, memory_format=MEMORY_FORMAT).eval()
+    trunk = trunk.to(device).eval()  # as main_lincls.py runs it: contiguous, compiled as it is
     if args.compile:
-        trunk.compile()
-    views = synthetic_views()
-    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+        compile_trunk(trunk)
+    views = [v.contiguous() for v in synthetic_views()]
 
     def forward(_views, _m):
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), cli.autocast(device, args.amp):
             trunk(views[0])
     forward_rate = args.batch_size / time_steps(forward, views)
     report(what="forward_reference", **SETTING, images_per_s=round(forward_rate, 1))
@@ -476,8 +476,9 @@ if args.workers == 0:  # the loader's work in this process: one core, as in a wo
     torch.set_num_threads(1)
 with tempfile.TemporaryDirectory() as tmp:
     root = args.data or write_photos(tmp, args.images)
+    pipelines = [] if args.skip_data else args.augment
     datasets = {a: build_dataset("imagefolder", root, "pretrain", as_tensor=a != "cpu", encoded=a == "decode")
-                for a in ("cpu", "gpu", "decode")}
+                for a in set(pipelines) | ({"gpu"} if args.preload and args.data else set())}
     if not args.skip_data:
         for augment in args.augment:
             bench_data(datasets[augment], augment)
@@ -486,12 +487,12 @@ with tempfile.TemporaryDirectory() as tmp:
         training, step = build_training()
         compute = bench_train_step(training, step)
         if args.preload:
-            bench_end_to_end(step, preloaded_images(root), "preload", compute)
+            bench_end_to_end(step, preloaded_images(datasets.get("gpu")), "preload", compute)
         if not args.skip_data:
             for augment in args.augment:
                 bench_end_to_end(step, datasets[augment], augment, compute)
             for workers in args.e2e_workers:
-                for augment in {"gpu", "decode"} & set(args.augment):
+                for augment in [a for a in args.augment if a != "cpu"]:
                     bench_end_to_end(step, datasets[augment], augment, compute, workers, profile=False)
             if "gpu" in args.augment:
                 bench_device_pipeline(step, datasets["gpu"], compute)

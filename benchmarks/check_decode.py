@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""How far the device's JPEG decoder (torchvision's decode_jpeg on CUDA: the GPU's JPEG engines) is from
-libjpeg-turbo (its CPU decoder, what the loader workers use), in 8-bit levels over every pixel of the
-images; exit 1 past the bounds (for gpu_check.sh).
+"""How far the device's JPEG decoder (sce.device_decode: torchvision's decode_jpeg on CUDA, the GPU's JPEG
+engines) is from libjpeg-turbo (its CPU decoder, what the loader workers use), in 8-bit levels over every
+pixel of the JPEGs training sends there (sce.loader.read_header's plain ones); exit 1 past the bounds.
 
     python benchmarks/check_decode.py [--data DIR] [--images 64] [--max-mean 2] [--max-diff 80]
 
@@ -9,16 +9,19 @@ Without --data, the benchmark's photos (500x375, quality 98); with it, the JPEGs
 """
 import argparse
 import glob
+import itertools
 import json
 import os
 import sys
 import tempfile
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from photos import write_photos  # noqa: E402
+from sce.device_decode import decode_all  # noqa: E402
+from sce.loader import decode_rgb_tensor, read_header  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR", help="a folder of JPEG files (searched recursively)")
@@ -31,13 +34,17 @@ args = parser.parse_args()
 
 with tempfile.TemporaryDirectory() as tmp:
     root = args.data or write_photos(tmp, args.images)
-    paths = sorted(glob.glob(os.path.join(root, "**", "*.jp*g"), recursive=True))[:args.images]
-    datas = [torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8) for p in paths]
-    on_device = decode_jpeg(datas, mode=ImageReadMode.RGB, device=args.device)
-    diffs = [(d.cpu().int() - decode_jpeg(b, mode=ImageReadMode.RGB).int()).abs() for d, b in zip(on_device, datas)]
+    files = (open(p, "rb").read() for p in sorted(glob.glob(os.path.join(root, "**", "*.jp*g"), recursive=True)))
+    datas = [torch.frombuffer(bytearray(d), dtype=torch.uint8)
+             for d in itertools.islice((d for d in files if read_header(d)[3]), args.images)]
+    if not datas:
+        sys.exit(f"error: no baseline JPEG under {root}")
+    batch = {"jpeg": torch.cat(datas), "lengths": [len(d) for d in datas]}  # as sce.loader.collate_views sends them
+    on_device = decode_all(batch, torch.device(args.device))
+    diffs = [(d.cpu().int() - decode_rgb_tensor(b.numpy().tobytes()).int()).abs() for d, b in zip(on_device, datas)]
 mean = float(torch.cat([d.flatten() for d in diffs]).float().mean())
 largest = max(int(d.max()) for d in diffs)
 name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-print(json.dumps({"what": "decode_difference", "images": len(paths), "mean_levels": round(mean, 3),
+print(json.dumps({"what": "decode_difference", "images": len(datas), "mean_levels": round(mean, 3),
                   "max_levels": largest, "device": name}))
 sys.exit(0 if mean <= args.max_mean and largest <= args.max_diff else 1)

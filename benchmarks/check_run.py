@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Exit non-zero unless a main_pretrain.py output dir shows a run that trained (for gpu_check.sh):
-every epoch of log.txt has a finite loss and no skipped step (--max-skipped), the online trunk moved away from the
-momentum one, and the checkpoint is at the expected position.
+every epoch of log.txt has a finite loss and no skipped step (--max-skipped), the online trunk turned
+away from the momentum one, and the checkpoint is at the expected position.
 
     python benchmarks/check_run.py OUTPUT_DIR [--epoch E] [--step S] [--max-skipped N]
 """
@@ -11,7 +11,8 @@ import math
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sce import checkpoint  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("output_dir")
@@ -22,12 +23,13 @@ args = parser.parse_args()
 
 with open(os.path.join(args.output_dir, "log.txt")) as f:
     epochs = [json.loads(line) for line in f]
-ckpt = torch.load(os.path.join(args.output_dir, "checkpoint_last.pth"), map_location="cpu", weights_only=True)
-state = ckpt["model"]
+ckpt = checkpoint.load(os.path.join(args.output_dir, "checkpoint_last.pth"))
 problems = [f"epoch {e['epoch']}: loss {e['loss']}, {e.get('skipped_steps')} skipped steps" for e in epochs
             if not math.isfinite(e["loss"]) or e.get("skipped_steps", 0) > args.max_skipped]
-if torch.equal(state["encoder.conv1.weight"], state["momentum_encoder.conv1.weight"]):
-    problems.append("the online trunk equals the momentum one: no step was taken")
+online, momentum = (checkpoint.trunk_state_dict(ckpt, encoder=e)["conv1.weight"].double().flatten()
+                    for e in ("online", "momentum"))
+if (online / online.norm() - momentum / momentum.norm()).norm() <= 1e-6:  # weight decay alone only rescales
+    problems.append("the online trunk points as the momentum one: it did not learn")
 for key, want in (("epoch", args.epoch), ("step", args.step)):
     if want is not None and ckpt[key] != want:
         problems.append(f"checkpoint {key} {ckpt[key]}, expected {want}")

@@ -257,9 +257,11 @@ def main():
         if ckpt.get("scaler"):  # {} from a run without --amp: the fresh scale stays
             scaler.load_state_dict(ckpt["scaler"])
         start_epoch, it, epoch_iter = ckpt["epoch"], ckpt["iter"], ckpt.get("epoch_iter", 0)
-        if epoch_iter and (ckpt["args"]["batch_size"], ckpt.get("world")) != (args.batch_size, world):
+        # within an epoch, the batches done are skipped from the order of (seed, epoch): the same order needed
+        ran = (ckpt["args"]["batch_size"], ckpt.get("world"), ckpt["args"]["seed"])
+        if epoch_iter and ran != (args.batch_size, world, args.seed):
             raise UserError(f"{last} stopped within epoch {start_epoch}: resume it with --batch-size "
-                            f"{ckpt['args']['batch_size']} on {ckpt.get('world')} process(es), as it ran")
+                            f"{ran[0]} and --seed {ran[2]} on {ran[1]} process(es), as it ran")
         log(f"=> resumed from {last} (epoch {start_epoch} after its batch {epoch_iter}, iteration {it})")
 
     sampler = EpochSampler(len(train_set), args.seed, du.rank(), world)

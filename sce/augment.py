@@ -32,6 +32,7 @@ AUGMENTATIONS = {
     "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
 }
 BLUR_SIGMA = (0.1, 2.0)
+RRC_RATIO = (3 / 4, 4 / 3)  # aspect ratios of RandomResizedCrop (torchvision's default)
 SOLARIZE_THRESHOLD = 128  # on uint8 images; 0.5 on [0, 1] floats picks the same pixels
 
 
@@ -81,6 +82,17 @@ def pack_params(params):
     jitter, order (4), factors (4), gray, sigma, solarize."""
     return torch.tensor([params["jitter"], *params["order"], *params["factors"], params["gray"], params["sigma"],
                          params["solarize"]], dtype=torch.float32)
+
+
+_STATS = {}  # device -> (1 / std, -mean / std): made once, as a host-to-device copy of a new tensor waits for the GPU
+
+
+def normalize_stats(device):
+    """(1 / std, -mean / std) as (1, 3, 1, 1) tensors on `device`: normalising is x * scale + shift."""
+    if str(device) not in _STATS:
+        mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+        _STATS[str(device)] = (1 / std).to(device), (-mean / std).to(device)
+    return _STATS[str(device)]
 
 
 def any_photometric(rows):
@@ -156,7 +168,7 @@ class View:
         crop is the device's: its geometry row comes back instead, from the same draws)."""
         encoded = isinstance(img, Encoded)
         top, left, height, width = T.RandomResizedCrop.get_params(stand_in(img) if encoded else img, self.scale,
-                                                                  (3 / 4, 4 / 3))
+                                                                  RRC_RATIO)
         if encoded:
             flip = bool(torch.rand(1) < 0.5)
             return crop_geometry(top, left, height, width, self.size, flip), pack_params(draw_photometric(self.aug))

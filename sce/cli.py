@@ -104,9 +104,9 @@ def add_compile_arg(parser):
 def add_decode_arg(parser):
     """--decode auto|device|loader of the evaluation scripts; auto is resolved by resolve_decode."""
     parser.add_argument("--decode", default="auto", choices=["auto", "device", "loader"],
-                        help="device: JPEG files decoded, resized and cropped on the device (the GPU's JPEG engines; "
-                             "other files by the workers); loader: all by the loader's workers; auto: device on a GPU with "
-                             "JPEG engines (A100, H100, H200, ...)")
+                        help="device: JPEG files decoded, resized and cropped on the device (the GPU's JPEG "
+                             "engines; other files by the workers); loader: all by the loader's workers; auto: device "
+                             "on a GPU with JPEG engines (A100, H100, H200, ...)")
 
 
 def resolve_decode(decode, device):
@@ -198,13 +198,16 @@ def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, 
     in order, with the trunk in eval mode.
 
     Cached in OUTPUT_DIR/features_<split>_<hash>.pt. The key: the checkpoint file (path, size,
-    mtime), the split, the dataset's size and transform, --amp, and the caller's **key (encoder,
-    arch, data path, ...). It is stored in the file and compared on reading; a file that does not
-    load is recomputed."""
+    mtime), the split, the dataset's size and transform, where its JPEGs are decoded, --amp, and the
+    caller's **key (encoder, arch, data path, ...). It is stored in the file and compared on reading;
+    a file that does not load is recomputed."""
     from sce.checkpoint import save_atomic
+    from sce.device_decode import DecodedEval, decoded_loader
+    from sce.loader import collate_views
     st = os.stat(checkpoint)
     key = dict(key, checkpoint=os.path.abspath(checkpoint), mtime_ns=st.st_mtime_ns, size=st.st_size,
-               split=split, n=len(dataset), transform=repr(getattr(dataset, "transform", None)), amp=amp)
+               split=split, n=len(dataset), transform=repr(getattr(dataset, "transform", None)), amp=amp,
+               decoded_on_device=isinstance(dataset, DecodedEval))
     key = json.loads(json.dumps(key, sort_keys=True, default=str))  # as it reads back from the file
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(output_dir, f"features_{split}_{digest}.pt")
@@ -217,8 +220,6 @@ def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, 
         except Exception as e:  # a truncated or foreign file: compute it again
             print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
     from sce.knn import extract_features  # here: sce.knn uses this module's progress lines
-    from sce.device_decode import decoded_loader
-    from sce.loader import collate_views
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         pin_memory=device.type == "cuda", collate_fn=collate_views)
     with autocast(device, amp):

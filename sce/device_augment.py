@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sce import device_decode
-from sce.augment import BLUR_SIGMA, MEAN, STD, any_photometric, blur_kernel_size, unpack_params
+from sce.augment import BLUR_SIGMA, any_photometric, blur_kernel_size, normalize_stats, unpack_params
 
 BLUR_PAD = blur_kernel_size(BLUR_SIGMA[1]) // 2  # taps each side for the largest sigma
 
@@ -144,7 +144,6 @@ def augment_batch(crops, rows, scale, shift, dtype, memory_format):
     return normalize(photometric(crops / 255, unpack_params(rows)), scale, shift, dtype, memory_format)
 
 
-_STATS = {}  # device -> (1 / std, -mean / std): made once, as a host-to-device copy of a new tensor waits for the GPU
 COMPILED = {}  # function name -> its compiled version
 compile_failed = False
 
@@ -178,10 +177,7 @@ def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
     (N, 12) from the loader -> the device, photometric ops, normalisation, then the dtype and
     memory format asked for. compile (default: on CUDA): run the ops compiled."""
     crops = crops.to(device, non_blocking=True)
-    if str(crops.device) not in _STATS:
-        mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
-        _STATS[str(crops.device)] = (1 / std).to(crops.device), (-mean / std).to(crops.device)
-    scale, shift = _STATS[str(crops.device)]
+    scale, shift = normalize_stats(crops.device)
     settings = (dtype or torch.float32, torch.channels_last if channels_last else torch.contiguous_format)
     compile = crops.is_cuda if compile is None else compile
     if not any_photometric(rows):  # the weak view (rows are on the CPU: no sync)
@@ -193,7 +189,7 @@ def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
 def views_to_device(views, device, dtype=None, channels_last=False, compile=None, refetch=None):
     """The loader's views, ready on the training device: normalised views (--augment cpu) are
     moved there; (uint8 crops, parameters) pairs (--augment gpu) are augmented there (compile: see
-    augment); a batch of encoded JPEGs (--decode gpu, a dict) is decoded, cropped and augmented there
+    augment); a batch of encoded JPEGs (--decode device, a dict) is decoded, cropped and augmented there
     (refetch: sce.device_decode.pretrain_views)."""
     if isinstance(views, dict):
         crops, params = device_decode.pretrain_views(views, torch.device(device), refetch)
@@ -220,6 +216,8 @@ class DeviceViews:
     def __init__(self, loader, device, dtype=None, channels_last=False):
         self.loader, self.device, self.dtype, self.channels_last = loader, torch.device(device), dtype, channels_last
         self.wait_s = 0.0
+        # an image no decoder reads (--decode device) is read again the workers' way: named and replaced
+        self.refetch = getattr(getattr(loader, "dataset", None), "decoded", None)
 
     def _fetch(self, batches, stream):
         """The next batch, its images already on their way to the device (None at the end)."""
@@ -249,7 +247,6 @@ class DeviceViews:
                 current.wait_event(copied)
                 for view in views if not isinstance(views, dict) else []:  # copied on the side stream, used here
                     (view[0] if isinstance(view, (list, tuple)) else view).record_stream(current)
-            refetch = getattr(getattr(self.loader, "dataset", None), "decoded", None)
-            yield (views_to_device(views, self.device, self.dtype, self.channels_last, refetch=refetch), *rest)
+            yield (views_to_device(views, self.device, self.dtype, self.channels_last, refetch=self.refetch), *rest)
             if not stream:
                 ahead = self._fetch(batches, None)

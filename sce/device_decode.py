@@ -1,4 +1,4 @@
-"""JPEG files decoded on the training device (`--decode gpu`, the default on a GPU).
+"""JPEG files decoded on the training device (`--decode device`, the default on a GPU with JPEG engines).
 
 The loader workers only read each file's bytes, its size from the header and every random parameter
 of its views (sce.augment, the same draws in the same order as when they decode it themselves); the
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 
-from sce.augment import MEAN, STD, Encoded, EncodedSample, crop_geometry, stand_in
+from sce.augment import RRC_RATIO, Encoded, EncodedSample, crop_geometry, normalize_stats, stand_in
 from sce.loader import decode_rgb_tensor
 
 try:
@@ -166,7 +166,7 @@ class DecodedEval(torch.utils.data.Dataset):
         if self.resize:
             geometry = resize_crop_geometry(img.size, self.resize, self.size)
         else:
-            box = T.RandomResizedCrop.get_params(stand_in(img), (0.08, 1.0), (3 / 4, 4 / 3))
+            box = T.RandomResizedCrop.get_params(stand_in(img), (0.08, 1.0), RRC_RATIO)  # T.RandomResizedCrop's
             geometry = crop_geometry(*box, self.size, bool(torch.rand(1) < 0.5))
         return EncodedSample(img.data, [geometry], None), target
 
@@ -174,31 +174,21 @@ class DecodedEval(torch.utils.data.Dataset):
         return self.dataset.path(i)
 
 
-def eval_batch(batch, size, device, normalize, mode="bilinear"):
+def eval_batch(batch, size, device, mode="bilinear"):
     """(normalised images (N, 3, size, size), targets) on the device, of a batch of collate_views from a
-    DecodedEval (or a plain batch). normalize: float images in [0, 1] -> normalised. mode: the
-    interpolation of the resize (the logistic regression's protocol: bicubic)."""
+    DecodedEval (or a plain batch). mode: the interpolation of the resize (the logistic regression's
+    protocol: bicubic)."""
     if not isinstance(batch, dict):
         images, targets = batch
         return images.to(device, non_blocking=True), targets
     decoded = decode_all(batch, device)
     if any(image is None for image in decoded):
         raise RuntimeError(f"{sum(image is None for image in decoded)} image(s) of the batch are not readable")
-    views = crops(decoded, batch["geometry"][0], size, mode)
+    scale, shift = normalize_stats(device)
+    views = torch.addcmul(shift, crops(decoded, batch["geometry"][0], size, mode) / 255, scale)
     n = len(batch["encoded"]) + len(batch["decoded"])
-    return place(n, size, device, [(batch["encoded"], normalize(views / 255)),
+    return place(n, size, device, [(batch["encoded"], views),
                                    (batch["decoded"], batch["images"][0])]), batch["targets"]
-
-
-_STATS = {}  # device -> (mean, std), made once: a new tensor's copy to the device waits for it
-
-
-def normalize(x):
-    """(x - mean) / std of float images in [0, 1] (sce.augment's statistics)."""
-    if str(x.device) not in _STATS:
-        _STATS[str(x.device)] = tuple(torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (MEAN, STD))
-    mean, std = _STATS[str(x.device)]
-    return (x - mean) / std
 
 
 class DecodedLoader:
@@ -213,7 +203,7 @@ class DecodedLoader:
 
     def __iter__(self):
         for batch in self.loader:
-            yield eval_batch(batch, self.size, self.device, normalize, self.mode)
+            yield eval_batch(batch, self.size, self.device, self.mode)
 
 
 def decoded_loader(loader, device):

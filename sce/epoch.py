@@ -101,8 +101,9 @@ def train_one_epoch(run, epoch, start_step):
         window_steps += 1
 
         if (i + 1) % args.print_freq == 0 or i + 1 == run.steps_per_epoch:
-            if run.nonfinite.item() > args.max_nonfinite_steps:
-                raise UserError(f"{int(run.nonfinite.item())} consecutive non-finite losses at step {step}: "
+            nonfinite = int(run.nonfinite.item())
+            if nonfinite > args.max_nonfinite_steps:
+                raise UserError(f"{nonfinite} consecutive non-finite losses at step {step}: "
                                 f"{likely_cause(args, lr)}; the last good checkpoint is kept")
             elapsed = time.time() - window_start
             stats = dict(window_means(window, window_steps), lr=lr, momentum=m, **{"lambda": lam},
@@ -144,8 +145,9 @@ def note_first_steps(run, step, started):
 def window_means(sums, steps):
     """TERMS averaged over the finite steps of a window (NaN when none was finite, never 0), and the
     number of steps skipped as non-finite."""
-    finite = sums[0].item()
-    return dict(zip(TERMS, (sums[1:] / sums[0]).tolist()), skipped_steps=steps - round(finite))
+    finite, *totals = sums.tolist()  # one copy to the host
+    means = (total / finite if finite else float("nan") for total in totals)
+    return dict(zip(TERMS, means), skipped_steps=steps - round(finite))
 
 
 def likely_cause(args, lr):

@@ -77,9 +77,9 @@ def collate_views(samples):
     """The collate_fn of every loader that may meet an encoded JPEG (sce.device_decode): samples are
     (views, bad, reason) in pretraining, (image, target) in evaluation. With no EncodedSample among
     them, torch's default_collate. Else a dict: jpeg, lengths (the encoded samples' bytes, end to end), encoded /
-    decoded (their places in the batch), sizes (of the views), geometry (per view, (n_encoded, 9), on
-    the host), images (per view, the decoded samples' tensors: uint8 crops in pretraining, normalised
-    images in evaluation), keys; pretraining: params (per view, (N, 12) in batch order), bad, reasons;
+    decoded (their places in the batch), geometry (per view, (n_encoded, 9), on the host), images (per
+    view, the decoded samples' tensors: uint8 crops in pretraining, normalised images in evaluation),
+    keys; pretraining: sizes (of the views), params (per view, (N, 12) in batch order), bad, reasons;
     evaluation: targets."""
     first = [s[0] for s in samples]
     encoded = [i for i, x in enumerate(first) if isinstance(x, EncodedSample)]
@@ -90,9 +90,10 @@ def collate_views(samples):
     # the files' bytes as one tensor: one shared-memory segment from a worker, not one per image
     batch = dict(jpeg=torch.cat([first[i].data for i in encoded]), lengths=[len(first[i].data) for i in encoded],
                  encoded=torch.tensor(encoded), decoded=torch.tensor(decoded, dtype=torch.long),
-                 keys=[first[i].key for i in encoded], sizes=[int(first[encoded[0]].geometry[v][4]) for v in views],
+                 keys=[first[i].key for i in encoded],
                  geometry=[torch.stack([first[i].geometry[v] for i in encoded]) for v in views])
     if len(samples[0]) == 3:  # pretraining: a decoded sample's views are (uint8 crop, packed row) pairs
+        batch["sizes"] = [int(first[encoded[0]].geometry[v][4]) for v in views]  # a view's side: its resize
         batch["images"] = [torch.stack([first[i][v][0] for i in decoded]) if decoded else None for v in views]
         batch["params"] = [torch.stack([x.params[v] if isinstance(x, EncodedSample) else x[v][1] for x in first])
                            for v in views]
@@ -103,6 +104,12 @@ def collate_views(samples):
     return batch
 
 
+def eval_resize(crop_size, small=False):
+    """The short side images are resized to before the evaluation's centre crop: 256 for 224 (scaled
+    with the crop) on large images; the resolution itself on small ones (paper supp.)."""
+    return crop_size if small else int(crop_size * 256 / 224)
+
+
 def eval_transform(train, crop_size=224, small=False):
     """Linear-evaluation transforms (paper supp.): large images RRC+flip / resize 256 + centre
     crop 224; small images random crop with 4 px padding + flip / resize to the resolution."""
@@ -111,7 +118,7 @@ def eval_transform(train, crop_size=224, small=False):
                if train else [T.Resize(crop_size), T.CenterCrop(crop_size)])
     else:
         ops = ([T.RandomResizedCrop(crop_size), T.RandomHorizontalFlip()] if train
-               else [T.Resize(int(crop_size * 256 / 224)), T.CenterCrop(crop_size)])
+               else [T.Resize(eval_resize(crop_size)), T.CenterCrop(crop_size)])
     return T.Compose(ops + [T.ToTensor(), T.Normalize(MEAN, STD)])
 
 

@@ -22,14 +22,13 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 
 from sce import UserError, cli
-from sce.augment import AUGMENTATIONS, BLUR_SIGMA, MEAN, STD, Encoded, jitter_ranges
+from sce.augment import AUGMENTATIONS, BLUR_SIGMA, RRC_RATIO, Encoded, jitter_ranges, normalize_stats
 from sce.device_augment import normalize, photometric, run_compiled
 from sce.loader import decode_rgb_tensor
 
 MEMORY_SHARE = 0.25  # of the device's memory, at most, for the decoded images
 PRELOADED = {}  # device -> bytes of the images preloaded there by this process
 RRC_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 (area, ratio) draws, then a central crop
-RATIO = (3 / 4, 4 / 3)
 VIEW_DRAWS = 2 * RRC_ATTEMPTS + 3 + 13  # crop attempts, top, left, flip, then the photometric draws
 
 
@@ -65,9 +64,9 @@ class _Decoded(torch.utils.data.Dataset):
             return i, None, f"{type(e).__name__}: {e}"[:300]
         if isinstance(img, Encoded):  # read for the device's decoder (--decode device): decoded here, once
             img = decode_rgb_tensor(img.data.numpy().tobytes())
-        if not torch.is_tensor(img):
-            img = TF.pil_to_tensor(self.transform(img) if self.transform else img)
-        return i, img, ""
+        if self.transform:
+            img = self.transform(TF.to_pil_image(img) if torch.is_tensor(img) else img)
+        return i, img if torch.is_tensor(img) else TF.pil_to_tensor(img), ""
 
 
 def memory_budget(device):
@@ -183,7 +182,7 @@ def epoch_uniforms(seed, epoch, count, width, device):
     return torch.rand(count, width, generator=generator, dtype=torch.float64).to(device)
 
 
-def random_resized_crops(u, height, width, scale, ratio=RATIO):
+def random_resized_crops(u, height, width, scale, ratio=RRC_RATIO):
     """(top, left, h, w) of a batch as torchvision's RandomResizedCrop.get_params draws them, from
     uniforms u (N, 2 * RRC_ATTEMPTS + 2): RRC_ATTEMPTS (area, log-ratio) pairs, the first that fits
     wins, else the central crop of the closest allowed ratio; then top and left."""
@@ -256,17 +255,6 @@ def crop_resize_flip(images, top, left, height, width, out, flip):
     cols = resize_weights(left, width, out, images.shape[-1]).to(images.dtype)
     cols = torch.where(flip.view(-1, 1, 1), cols.flip(1), cols)
     return torch.matmul(torch.matmul(rows.unsqueeze(1), images), cols.transpose(1, 2).unsqueeze(1))
-
-
-_STATS = {}
-
-
-def normalize_stats(device):
-    """(1 / std, -mean / std) as (1, 3, 1, 1) tensors on `device`."""
-    if str(device) not in _STATS:
-        mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
-        _STATS[str(device)] = (1 / std).to(device), (-mean / std).to(device)
-    return _STATS[str(device)]
 
 
 # ---------------------------------------------------------------- pretraining views

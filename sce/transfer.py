@@ -1,5 +1,6 @@
 """Frozen-feature transfer: VOC2007 reader, the many-shot logistic regression (ssl-transfer
 protocol) and the low-shot LinearSVC helpers (PCL protocol). Features come from sce.cli.split_features."""
+import hashlib
 import os
 import warnings
 
@@ -253,10 +254,22 @@ def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1, difficult="negati
     return mean_average_precision(np.stack([scores for scores, _ in cols], axis=1), test_labels)
 
 
+_SPLITS = {}  # a draw's splits, the same for each cost of the grid and for cv_drops: made once
+
+
 def _cv_splits(labels, c, folds, seed, groups):
     """Rows of class c, their +1 / -1 targets, the number of folds (below `folds` when the class has
     fewer positives or negatives) and the (train, held-out) splits that can score an AP: those
     with one class on the training side or no positive held out are skipped."""
+    key = (hashlib.sha1(labels.tobytes() + groups.tobytes()).hexdigest(), labels.shape, c, folds, seed)
+    if key not in _SPLITS:
+        if len(_SPLITS) > 1024:
+            _SPLITS.clear()
+        _SPLITS[key] = _make_cv_splits(labels, c, folds, seed, groups)
+    return _SPLITS[key]
+
+
+def _make_cv_splits(labels, c, folds, seed, groups):
     from sklearn.model_selection import StratifiedGroupKFold
     keep, y = _binary(labels, c)
     n_splits = min(folds, int((y > 0).sum()), int((y < 0).sum()))

@@ -51,14 +51,17 @@ def assert_same_state(a, b):
 
 def assert_trained(output_dir):
     """A main_pretrain.py run in output_dir learned: no epoch of log.txt skipped a step as non-finite
-    and every epoch's loss is finite; the online trunk moved away from the momentum one (equal at the
-    start; a run whose every step was skipped leaves them equal); over several epochs the mean loss
-    moved. A loss broken to NaN, or to a constant, fails here."""
+    and every epoch's loss is finite; the online trunk turned away from the momentum one (equal at the
+    start; a run whose every step was skipped leaves them equal, and one whose gradients are zero only
+    shrinks both by weight decay: the same direction); over several epochs the mean loss moved. A loss
+    broken to NaN, to a constant or to zero gradients fails here."""
     with open(os.path.join(output_dir, "log.txt")) as f:
         epochs = [json.loads(line) for line in f]
     assert epochs and all(e["skipped_steps"] == 0 and math.isfinite(e["loss"]) for e in epochs), epochs
     state = load(os.path.join(output_dir, "checkpoint_last.pth"))["model"]
-    assert not torch.equal(state["encoder.conv1.weight"], state["momentum_encoder.conv1.weight"])
+    online, momentum = (state[f"{branch}.conv1.weight"].double().flatten() for branch in ("encoder",
+                                                                                         "momentum_encoder"))
+    assert (online / online.norm() - momentum / momentum.norm()).norm() > 1e-6, "the trunk did not turn"
     if len(epochs) > 1:
         assert epochs[0]["loss"] != epochs[-1]["loss"], epochs
 
@@ -100,6 +103,19 @@ def assert_mid_epoch_resume_is_exact(args, tmp_path, monkeypatch, signal_step=3)
     assert_same_state(a["model"], b["model"])
     assert_trained(tmp_path / "ref")
     return tmp_path / "ref"
+
+
+def fake_compile(monkeypatch, compiled_call):
+    """nn.Module.compile replaced by a stand-in whose compiled call of a module is compiled_call(module,
+    *args, **kwargs): raise there to play a compiler's failure; module._call_impl runs the module eagerly."""
+    def compile(module, *args, **kwargs):
+        module._compiled_call_impl = lambda *a, **k: compiled_call(module, *a, **k)
+    monkeypatch.setattr(torch.nn.Module, "compile", compile)
+
+
+def no_triton(module, *args, **kwargs):
+    """A compiled call failing as Inductor does without Triton (for fake_compile)."""
+    raise RuntimeError("Cannot find a working triton installation")
 
 
 def run_script(args, cwd=REPO, timeout=300, env=None, check=True):

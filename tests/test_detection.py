@@ -20,6 +20,7 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, run_script, write_imagefolder
+from sce import UserError
 from sce.builder import SCE, build_trunk
 
 DET = os.path.join(REPO, "detection")
@@ -505,3 +506,11 @@ def test_resume_restores_the_grad_scaler(stopped_and_resumed):
     assert [s["scaler"]["scale"] for s in stopped[2]] == [2.0]  # 1 step
     # 3 steps in all, as in the uninterrupted run, not 1 + a fresh scaler's 2
     assert [s["scaler"]["scale"] for s in resumed[2]] == [s["scaler"]["scale"] for s in whole[2]] == [4.0, 8.0]
+
+
+def test_resume_within_an_epoch_needs_its_seed(coco, tmp_path):
+    # the batches done are skipped from the order of (seed, epoch): another seed would skip other images
+    out = str(tmp_path / "stopped")
+    train_in_process(coco, out, "--max-iters", "1")
+    with pytest.raises(UserError, match="stopped within epoch 0: resume it with --batch-size 2 and --seed 0"):
+        train_in_process(coco, out, "--max-iters", "3", "--resume", "--seed", "1", write=False)

@@ -138,8 +138,7 @@ def test_decoded_eval_batches_equal_the_loader_transform(mixed):
     decoded = device_decode.DecodedEval(dataset, 32, transform, resize=36)
     loader = torch.utils.data.DataLoader(decoded, batch_size=6, collate_fn=collate_views)
     stats = (torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1))
-    images, targets = device_decode.eval_batch(next(iter(loader)), 32, torch.device("cpu"),
-                                               lambda x: (x - stats[0]) / stats[1])
+    images, targets = device_decode.eval_batch(next(iter(loader)), 32, torch.device("cpu"))
     plain = build_dataset("imagefolder", mixed, "pretrain", transform)
     expected = torch.stack([plain[i][0] for i in range(6)])
     assert targets.tolist() == [0] * 6
@@ -176,9 +175,10 @@ def test_evaluation_features_and_linear_probe_decoded_on_the_device(mixed, tmp_p
     common = dict(checkpoint=str(tmp_path / "stem.pth"), workers=0, batch_size=4)
     on_device = split_features(trunk, device_decode.DecodedEval(ImageList(paths, list(range(6)), tf, encoded=True),
                                                                 64, tf, 73), "x", tmp_path, torch.device("cpu"),
-                               decoded=True, **common)
+                               **common)
     loader = split_features(trunk, ImageList(paths, list(range(6)), tf), "x", tmp_path, torch.device("cpu"),
-                            decoded=False, **common)
+                            **common)
+    assert len(list(tmp_path.glob("features_x_*.pt"))) == 2  # two cache entries: the key says where JPEGs decode
     cosine = torch.nn.functional.cosine_similarity(torch.from_numpy(on_device), torch.from_numpy(loader))
     assert cosine.min() > 0.999, cosine  # torch's resize on the device against PIL's in the workers
     # the linear probe and kNN of that ImageNet-stem checkpoint, JPEGs decoded in the training process

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_script, write_imagefolder
+from conftest import fake_compile, no_triton, run_script, write_imagefolder
 from sce import UserError
 from sce.checkpoint import load, load_trunk, trunk_state_dict
 from sce.knn import knn_scores
@@ -174,13 +174,9 @@ def test_knn_script_equals_brute_force(pretrained, tmp_path, capsys):
 def test_knn_with_a_failing_compiled_trunk_warns_and_equals_eager(pretrained, data, tmp_path, capsys, monkeypatch):
     """--compile where the compiled trunk fails at its first call: one warning naming the cause, and the
     batch is redone eagerly (a frozen trunk in eval mode has no state to put back)."""
-    def broken_compile(module, *args, **kwargs):
-        def compiled(*a, **k):
-            raise RuntimeError("Cannot find a working triton installation")
-        module._compiled_call_impl = compiled
     args = ["--data", data, "--pretrained", pretrained, "--knn", "--knn-k", "5", "--crop-size", "16"]
     lincls_here(capsys, *args, "--output-dir", tmp_path / "eager")
-    monkeypatch.setattr(torch.nn.Module, "compile", broken_compile)
+    fake_compile(monkeypatch, no_triton)
     with pytest.warns(UserWarning) as caught:
         lincls_here(capsys, *args, "--compile", "--output-dir", tmp_path / "compiled")
     assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [

@@ -55,10 +55,9 @@ def voc(tmp_path_factory):
 @pytest.fixture(scope="module")
 def contract_run(pretrained, voc, tmp_path_factory):
     out = tmp_path_factory.mktemp("lowshot_out")
-    # the contract command; 32 px instead of the 256 / 224 defaults keeps it fast on a CPU
+    # the contract command; the checkpoint's 32 px small-input trunk gets the input size it was pretrained at
     proc = run_script(["main_lowshot.py", "--data", voc[0], "--pretrained", pretrained, "--arch", "resnet18",
-                       "--shots", "1", "2", "full", "--runs", "2", "--output-dir", str(out),
-                       "--resize", "32", "--crop-size", "32", "--workers", "0"])
+                       "--shots", "1", "2", "full", "--runs", "2", "--output-dir", str(out), "--workers", "0"])
     return out, proc
 
 
@@ -86,6 +85,7 @@ def test_contract_command(contract_run):
     assert report["difficult"] == "negative"  # PCL's handling by default
     assert "±" in proc.stdout and "optimistic" in proc.stdout
     assert "trainval features: 24/24 images" in proc.stdout and "images/s, ETA" in proc.stdout
+    assert "input 32 px (the crop size the small-input trunk was pretrained with), resized to 32" in proc.stdout
     assert len([f for f in os.listdir(out) if f.startswith("features_")]) == 2
 
 
@@ -220,6 +220,8 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--shots", "1", "--cost-selection", "cv"])
     with pytest.raises(UserError, match="--costs must be positive .got -1.0."):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--costs", "1", "-1"])
+    with pytest.raises(UserError, match="--resize 16 is smaller than the 32 px centre crop"):
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--resize", "16"])
     with pytest.raises(UserError, match="--cv-folds must be at least 2"):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--cost-selection", "cv", "--cv-folds", "1"])
     help_text = main_lowshot.get_parser().format_help()

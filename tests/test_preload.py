@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import assert_mid_epoch_resume_is_exact, assert_same_state, write_imagefolder
 from sce import UserError, losses, preload
-from sce.augment import AUGMENTATIONS, MEAN, STD, MultiView, View, pack_params
+from sce.augment import AUGMENTATIONS, MEAN, RRC_RATIO, STD, MultiView, View, normalize_stats, pack_params
 from sce.device_augment import augment
 from sce.engine import GraphedStep, Training, lr_as_tensors, train_step
 from sce.loader import ResumableSampler, build_dataset, load_rgb_tensor
@@ -48,7 +48,7 @@ def test_batched_crop_equals_torchvision_resized_crop(photos):
         assert torch.allclose(got[n], expected, atol=2e-6), n
 
 
-def torchvision_get_params(u, height, width, scale, ratio=preload.RATIO):
+def torchvision_get_params(u, height, width, scale, ratio=RRC_RATIO):
     """RandomResizedCrop.get_params transcribed with its draws read from u, one image."""
     area = height * width
     for attempt in range(preload.RRC_ATTEMPTS):
@@ -104,7 +104,7 @@ def to_pixels(view):
 @pytest.mark.parametrize("aug", list(AUGMENTATIONS))
 def test_views_equal_the_loader_paths_from_the_same_parameters(photos, aug):
     u = uniforms(len(photos), preload.VIEW_DRAWS, seed=list(AUGMENTATIONS).index(aug))
-    stats = preload.normalize_stats(torch.device("cpu"))
+    stats = normalize_stats(torch.device("cpu"))
     got = preload.pretrain_view(photos, u, aug, 24, (0.2, 1.0), stats, torch.float32, torch.contiguous_format)
     expected = loader_path_view(photos, u, aug, 24, (0.2, 1.0))
     diff = (to_pixels(got) - to_pixels(expected)).abs()

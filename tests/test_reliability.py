@@ -18,7 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO, assert_same_state, assert_trained, load, sends_signal_at, write_imagefolder
+from conftest import (REPO, assert_same_state, assert_trained, fake_compile, load, no_triton, sends_signal_at,
+                      write_imagefolder)
 import main_pretrain
 from sce import UserError, checkpoint
 from sce.builder import SCE
@@ -431,7 +432,9 @@ def test_an_epoch_skipped_by_gradscaler_goes_on(small, tmp_path, monkeypatch, am
             pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100)
     else:
         pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100, "--amp", "fp16")
-        assert load(tmp_path / "checkpoint_last.pth")["epoch"] == 1
+        ckpt = load(tmp_path / "checkpoint_last.pth")
+        assert ckpt["epoch"] == 1 and ckpt["scaler"]["scale"] < 65536  # the scaler lowered its scale at each skip
+        assert json.loads(open(tmp_path / "log.txt").read())["skipped_steps"] == 2  # both steps, as overflows
 
 
 # ---------------------------------------------------------------- 5. a failing or hung rank
@@ -528,11 +531,7 @@ def test_checkpoint_load_runs_no_code(small, tmp_path):
 def test_a_failed_compile_trains_eagerly_with_one_warning(small, tmp_path, monkeypatch, capsys):
     """--compile where the compiler fails at the first call (Inductor without Triton, say): one warning
     naming the cause, the progress says so, and the run trains and saves its usual checkpoint."""
-    def broken_compile(module, *args, **kwargs):
-        def compiled(*a, **k):
-            raise RuntimeError("Cannot find a working triton installation")
-        module._compiled_call_impl = compiled
-    monkeypatch.setattr(torch.nn.Module, "compile", broken_compile)
+    fake_compile(monkeypatch, no_triton)
     with pytest.warns(UserWarning) as caught:
         pretrain(small, tmp_path, "--epochs", 1, "--compile")
     assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
@@ -547,13 +546,11 @@ def test_a_failed_compile_trains_eagerly_with_one_warning(small, tmp_path, monke
 def test_a_failed_compile_of_the_knn_monitor_runs_it_eagerly(small, tmp_path, monkeypatch):
     """The compiled encoder compiles again for the kNN monitor (eval mode): a failure there only costs
     one warning; the monitor runs eagerly and the run goes on."""
-    def compile_failing_in_eval(module, *args, **kwargs):
-        def compiled(*a, **k):
-            if not module.training:
-                raise RuntimeError("Triton Error: out of resources")
-            return module._call_impl(*a, **k)
-        module._compiled_call_impl = compiled
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_failing_in_eval)
+    def failing_in_eval(module, *args, **kwargs):
+        if not module.training:
+            raise RuntimeError("Triton Error: out of resources")
+        return module._call_impl(*args, **kwargs)
+    fake_compile(monkeypatch, failing_in_eval)
     knn = write_imagefolder(tmp_path / "knn", num_classes=2, per_class=4, size=20)
     with pytest.warns(UserWarning, match=r"the kNN monitor's compile failed \(Triton Error: out of resources\)"):
         pretrain(small, tmp_path / "out", "--epochs", 1, "--compile", "--knn-data", knn, "--knn-k", "3")
