@@ -16,16 +16,18 @@ import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from sce import UserError, cli, transfer
+from sce import UserError, cli, evaldata, transfer
 from sce import distributed as du
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
+from sce.datasets import DATASETS
 from sce.device_decode import DecodedEval, decoded_loader
 from sce.engine import compile_trunk, resolve_compile
-from sce.knn import Shard, knn_accuracy
-from sce.loader import (DATASETS, MEAN, STD, build_dataset, collate_views, eval_crop_size, eval_resize,
-                        eval_transform)
+from sce.knn import Shard, knn_accuracy, split_features
+from sce.loader import MEAN, STD, EpochKeys, EvalSamples, collate_views, eval_crop_size
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
-from sce.preload import Images, PreloadedBatches, preload_eval
+from sce.preload import Images, PreloadedBatches
+from sce.progress import Progress
+from sce.resume import prepare_output_dir
 
 
 def get_parser():
@@ -92,6 +94,7 @@ def get_parser():
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
+    cli.check_finite(args)
     if args.knn:
         args.classifier = "knn"
     cosine = args.schedule == "cosine"
@@ -113,6 +116,7 @@ def main(argv=None):
     source = args.resume or args.pretrained
     if not source:
         raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
+    prepare_output_dir(args.output_dir)  # every rank, before any work: none waits for one that stopped
 
     _, _, _, device = du.init()
     try:
@@ -125,7 +129,6 @@ def main(argv=None):
         args.crop_size, why, warning = eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"),
                                                       args.dataset)
         if du.is_main():
-            os.makedirs(args.output_dir, exist_ok=True)
             print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
                   f"from {source}; input {args.crop_size} px ({why})", flush=True)
             if warning:
@@ -146,55 +149,22 @@ def main(argv=None):
         du.cleanup()
 
 
-def num_classes_of(train_ds, val_ds, args):
-    """Number of classes, checking there are two or more and that val has the same ones."""
-    classes = getattr(train_ds, "classes", None)
-    n = len(classes) if classes else int(max(train_ds.targets)) + 1
-    where = os.path.join(args.data, "train") if args.dataset in ("imagefolder", "imagenet100") else args.data
-    if n < 2:
-        raise UserError(f"{where} holds a single class ({classes[0] if classes else 0}): "
-                        "a classifier needs at least 2 classes (one sub-folder per class)")
-    val_classes = getattr(val_ds, "classes", None)
-    if classes and val_classes and list(val_classes) != list(classes):
-        odd = sorted(set(val_classes) ^ set(classes))
-        raise UserError(f"{os.path.join(args.data, 'val')} and {where} have different classes "
-                        f"(first difference: {odd[0] if odd else 'order'}): both need the same class folders")
-    return n
-
-
 def loader(ds, batch, args, sampler, device, train=False):
     """Batches of (images, targets): preloaded on the device, decoded there, or by the loader's workers.
-    train: the linear probe's training split (a preloaded one is cropped and flipped on the device)."""
+    train: the linear probe's training split (a preloaded one is cropped and flipped on the device; the
+    loader's crops and flips come from (seed, epoch, index): the same after a resume, for any --workers)."""
     if isinstance(ds, Images):
         return PreloadedBatches(ds, sampler, batch, args.crop_size, train=train, seed=args.seed)
-    return decoded_loader(DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=args.workers,
+    return decoded_loader(DataLoader(EvalSamples(ds, args.seed), batch_size=batch,
+                                     sampler=EpochKeys(sampler) if train else sampler, num_workers=args.workers,
                                      pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
                                      collate_fn=collate_views), device)
 
 
-def decodes_on_device(args):
-    """JPEGs decoded, resized and cropped on the device (--decode device), for an ImageNet-stem trunk: a
-    small-input one is preloaded instead, its protocol's padded random crop is not a device geometry."""
-    return args.decode == "device" and not args.small_input
-
-
 def splits(args, device, augment_train):
-    """(train, val, number of classes) as the evaluation reads them: preloaded on the device (a
-    small-input trunk, --preload), read for the device's JPEG decoder (an ImageNet-stem trunk, --decode
-    device) or with the loader's transforms. augment_train: the linear probe's random crops and flips."""
-    encoded = decodes_on_device(args)
-    train, val = (build_dataset(args.dataset, args.data, split, encoded=encoded) for split in ("train", "val"))
-    classes = num_classes_of(train, val, args)
-    bank, queries = preloaded(args, train, "train", device, augment_train), preloaded(args, val, "val", device)
-    if bank and queries:
-        return bank, queries, classes
-    train_tf, val_tf = (eval_transform(t, args.crop_size, args.small_input) for t in (augment_train, False))
-    if encoded:  # the loader path's resize and centre crop
-        resize = eval_resize(args.crop_size)
-        return (DecodedEval(train, args.crop_size, train_tf, None if augment_train else resize),
-                DecodedEval(val, args.crop_size, val_tf, resize), classes)
-    train.transform, val.transform = train_tf, val_tf
-    return train, val, classes
+    """(train, val, number of classes) as the evaluation reads them (sce.evaldata)."""
+    return evaldata.splits(args.dataset, args.data, args.crop_size, args.small_input, device, args.preload,
+                           args.decode, args.workers, augment_train)
 
 
 def write_results(args, results):
@@ -327,7 +297,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
 
     writer = cli.summary_writer(args.output_dir) if du.is_main() else None
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
-    progress = cli.Progress((args.epochs - start_epoch) * len(sampler) * world)
+    progress = Progress((args.epochs - start_epoch) * len(sampler) * world)
     acc1 = acc5 = None
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
@@ -362,14 +332,6 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
         write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs})
 
 
-def preloaded(args, ds, split, device, train=False):
-    """A split preloaded on the device for a small-input trunk (sce.preload), or None: the loader.
-    train: the linear probe's training split (its random crops come later, on the device)."""
-    if not args.small_input:  # the large-image protocol's random resized crop stays in the loader
-        return None
-    return preload_eval(ds, args.crop_size, args.preload, device, args.workers, train, what=f"{split} images")
-
-
 # ---------------------------------------------------------------- features (kNN, logistic regression)
 
 def one_process():
@@ -382,9 +344,9 @@ def one_process():
 
 def features(args, trunk, ds, split, source, device):
     """Cached trunk features of one split (not normalised), and its labels."""
-    x = cli.split_features(trunk, ds, split, args.output_dir, device, checkpoint=source, batch_size=256,
-                           workers=args.workers, amp=args.amp, encoder=args.encoder, arch=args.arch,
-                           small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data))
+    x = split_features(trunk, ds, split, args.output_dir, device, checkpoint=source, batch_size=256,
+                       workers=args.workers, amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=args.arch,
+                       small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data))
     return x, np.asarray(ds.targets)
 
 
@@ -415,7 +377,7 @@ def run_logreg(args, trunk, source, device):
                         "multi-label voc07, top1 / mean-per-class for the others")
     if not one_process():  # scikit-learn runs on one process
         return
-    encoded = decodes_on_device(args)
+    encoded = evaldata.decodes_on_device(args.decode, args.small_input)
 
     def read(dataset):  # an ImageNet-stem trunk's JPEGs decoded, resized and cropped on the device (--decode)
         return DecodedEval(dataset, args.crop_size, tf, args.crop_size, "bicubic") if encoded else dataset
@@ -429,9 +391,8 @@ def run_logreg(args, trunk, source, device):
         fit_y = np.concatenate([labels["train"], labels["val"]])
         test_x, test_y = feats["test"], labels["test"]
     else:  # a seeded share of train picks C, then all of train is refit; DATA/val is the test set
-        train_ds, test_ds = (read(build_dataset(args.dataset, args.data, split, None if encoded else tf,
-                                                encoded=encoded)) for split in ("train", "val"))
-        num_classes_of(train_ds, test_ds, args)
+        train_ds, test_ds, _ = evaldata.read_splits(args.dataset, args.data, None if encoded else tf, encoded)
+        train_ds, test_ds = read(train_ds), read(test_ds)
         fit_x, fit_y = features(args, trunk, train_ds, "train", source, device)
         test_x, test_y = features(args, trunk, test_ds, "val", source, device)
         tr, va = transfer.holdout_split(fit_y, args.val_fraction, args.seed)

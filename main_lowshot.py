@@ -28,9 +28,11 @@ import torchvision.transforms as T
 
 from sce import UserError, cli, transfer
 from sce.checkpoint import checkpoint_arch, load_trunk
-from sce.engine import compile_trunk, resolve_compile
 from sce.device_decode import DecodedEval
+from sce.engine import compile_trunk, resolve_compile
+from sce.knn import split_features
 from sce.loader import MEAN, STD, eval_crop_size, eval_resize
+from sce.resume import prepare_output_dir
 
 
 def shots_arg(value):
@@ -85,6 +87,7 @@ def get_parser():
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
+    cli.check_finite(args)
     cli.check_ranges({"--runs": args.runs, "--costs": min(args.costs), "--resize": args.resize,
                       "--crop-size": args.crop_size, "--batch-size": args.batch_size},
                      {"--workers": args.workers, "--seed": args.seed})
@@ -93,6 +96,7 @@ def main(argv=None):
     if args.cost_selection == "cv" and any(k != "full" and k < 2 for k in args.shots):
         raise UserError("--cost-selection cv cross-validates on the training draw and needs --shots >= 2 "
                         "(or 'full')")
+    prepare_output_dir(args.output_dir)  # an unwritable one stops here, not after the features
     # the VOC tree first: a broken one fails before any feature is computed
     trainval_paths, trainval_y = transfer.read_voc07(args.data, "trainval")
     test_paths, test_y = transfer.read_voc07(args.data, "test")
@@ -107,7 +111,6 @@ def main(argv=None):
     trunk.to(device)
     if resolve_compile(args.compile, device):
         compile_trunk(trunk)
-    os.makedirs(args.output_dir, exist_ok=True)
     print(f"=> {arch} trunk ({feat_dim}-d) from {args.pretrained}; input {crop} px ({why}), resized to {resize}; "
           f"VOC07 {len(trainval_paths)} trainval / {len(test_paths)} test images", flush=True)
     if warning:
@@ -118,10 +121,10 @@ def main(argv=None):
 
     def features(split, paths, labels):
         images = transfer.ImageList(paths, labels, tf, encoded=on_device)
-        feats = cli.split_features(trunk, DecodedEval(images, crop, tf, resize) if on_device else images, split,
-                                   args.output_dir, device, checkpoint=args.pretrained, batch_size=args.batch_size,
-                                   workers=args.workers, amp=args.amp, encoder=args.encoder, arch=arch,
-                                   small_input=small_input, dataset="voc07", data=os.path.abspath(args.data))
+        feats = split_features(trunk, DecodedEval(images, crop, tf, resize) if on_device else images, split,
+                               args.output_dir, device, checkpoint=args.pretrained, batch_size=args.batch_size,
+                               workers=args.workers, amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=arch,
+                               small_input=small_input, dataset="voc07", data=os.path.abspath(args.data))
         return transfer.l2_normalize_rows(feats)
 
     train_x = features("trainval", trainval_paths, trainval_y)
@@ -149,7 +152,7 @@ def main(argv=None):
                 cost = max(cv, key=cv.get)  # first best on ties
                 mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs, args.difficult, fits)[0]
                 per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap, "cv_drops": drops})
-            per_run[-1].update(svm_fits=len(fits.stalled), unconverged_fits=sum(fits.stalled))
+            per_run[-1].update(fits=len(fits.stalled), unconverged_fits=sum(fits.stalled))
             all_fits.stalled += fits.stalled
             detail = per_run[-1]["test_map" if args.cost_selection == "test" else "cv_map"]
             print(f"K {k} draw {r + 1}/{runs} ({len(idx)} images): {args.cost_selection} mAP per cost "

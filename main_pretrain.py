@@ -16,22 +16,22 @@ import warnings
 
 import torch
 
-from sce import UserError, checkpoint, cli, losses
+from sce import UserError, checkpoint, cli, compiling, evaldata, losses
 from sce import distributed as du
 from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
 from sce.builder import ARCHS, SCE
+from sce.datasets import DATASETS, build_dataset, digits_imagefolder
 from sce.device_augment import DeviceViews
-from sce.engine import (CompileFallback, CudaGraphs, GraphedStep, Training, compile_model, error_line,
-                        lr_as_tensors, resolve_compile, revert_to_eager, train_step)
+from sce.engine import (GRAPH_WARMUP, Training, build_step, compile_model, error_line, resolve_compile,
+                        revert_to_eager)
 from sce.epoch import Run, lambda_scheduled, train_one_epoch
 from sce.knn import knn_accuracy
-from sce.loader import (DATASETS, ResumableSampler, build_dataset, digits_imagefolder, eval_crop_size,
-                        eval_transform, pretrain_loader)
+from sce.loader import ResumableSampler, eval_crop_size, pretrain_loader
 from sce.optim import build_optimizer
-from sce.preload import PreloadedViews, preload, preload_eval, wanted
 from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
-from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
+from sce.preload import PreloadedViews, preload, wanted
 from sce.preview import write_preview
+from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
 
 
 # method -> (loss, tau, tau_m, online aug, target aug); a flag given on the command line wins
@@ -162,7 +162,10 @@ g.add_argument("--max-nonfinite-steps", type=int, default=20, metavar="N",
 g.add_argument("--dist-timeout", type=int, default=1800, metavar="SECONDS", help="timeout of collectives")
 g.add_argument("--preview-views", metavar="PNG", help="write a grid of the augmented views of 8 images (rows: images; "
                "columns: the views, labelled) to PNG and exit without training")
-g.add_argument("--knn-data", metavar="DIR", help="ImageFolder with train/ and val/ for the kNN monitor")
+g.add_argument("--knn-data", metavar="DIR",
+               help="data of the kNN monitor in --dataset's layout (an ImageFolder: DIR/train and DIR/val; a built-in "
+                    "dataset: its root), read as main_lincls.py --knn reads it, for the same number; every image "
+                    "must be readable (--max-bad-images is for --data): an unreadable one stops the run, naming it")
 g.add_argument("--knn-every", type=int, default=1, metavar="EPOCHS", help="kNN monitor every N epochs, and after the last")
 g.add_argument("--knn-max-train", type=int, metavar="N",
                help="bank of the kNN monitor: a seeded subset of N train images, for quick monitoring (default: all)")
@@ -196,6 +199,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Impossible settings stop before anything is built."""
+    cli.check_finite(args)
     if args.arch not in ARCHS:
         raise UserError(f"unknown arch '{args.arch}': use one of {', '.join(ARCHS)}")
     if args.tau <= 0 or args.tau_m <= 0:
@@ -206,11 +210,11 @@ def check_args(args):
                 "--print-freq": args.print_freq, "--save-freq": args.save_freq, "--proj-dim": args.proj_dim,
                 "--proj-hidden-dims": min(args.proj_hidden_dims, default=1),
                 "--pred-hidden-dims": min(args.pred_hidden_dims, default=1), "--knn-k": args.knn_k,
-                "--knn-t": args.knn_t, "--dist-timeout": args.dist_timeout}
+                "--knn-t": args.knn_t, "--dist-timeout": args.dist_timeout, "--bn-splits": args.bn_splits}
     at_least_zero = {"--seed": args.seed, "--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
                      "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
                      "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,
-                     "--knn-every": args.knn_every}
+                     "--knn-every": args.knn_every, "--max-nonfinite-steps": args.max_nonfinite_steps}
     unit_interval = {"--lambda": args.lambda_, "--lambda-end": args.lambda_end,
                      "--lambda-warmup-start": args.lambda_warmup_start, "--ema-momentum": args.ema_momentum,
                      "--sgd-momentum": args.sgd_momentum}
@@ -219,6 +223,9 @@ def check_args(args):
     if not all(0 < low <= high <= 1 for low, high in scales):
         raise UserError(f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) "
                         f"need 0 < min <= max <= 1 (got {scales})")
+    if args.max_bad_images < -1:
+        raise UserError(f"--max-bad-images must be -1 (0.1% of the dataset) or a number of images >= 0 "
+                        f"(got {args.max_bad_images})")
     if args.knn_max_train is not None and args.knn_max_train <= 0:
         raise UserError(f"--knn-max-train must be a positive number of images (got {args.knn_max_train}): "
                         "omit it to use the whole train split")
@@ -257,8 +264,7 @@ def main(argv=None):
     bn_splits = check_world(args, world_size, device)
     if rank == 0 and not args.preview_views:
         prepare_output_dir(args.output_dir)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:  # the resolved settings of this run
-            json.dump(vars(args), f, indent=1)
+    settings = dict(vars(args))  # the resolved settings of this run, for args.json once it is accepted
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     random.seed(args.seed)
@@ -281,9 +287,10 @@ def main(argv=None):
 
     # lambda as a device tensor when it moves: a CUDA graph of the step reads it
     lam = torch.tensor(args.lambda_, device=device) if lambda_scheduled(args) else None
-    model = SCE(build_criterion(args, lam), args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim,
-                args.proj_last_bn, args.pred_hidden_dims, args.queue_size, args.symmetric, args.shuffle_bn,
-                bn_splits, args.sync_bn and world_size > 1).to(device)
+    model = SCE(build_criterion(args, lam), arch=args.arch, small_input=args.small_input,
+                proj_hidden_dims=args.proj_hidden_dims, proj_dim=args.proj_dim, proj_last_bn=args.proj_last_bn,
+                pred_hidden_dims=args.pred_hidden_dims, queue_size=args.queue_size, symmetric=args.symmetric,
+                shuffle_bn=args.shuffle_bn, bn_splits=bn_splits, sync_bn=args.sync_bn and world_size > 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     knn_sets = build_knn_sets(args, device) if args.knn_data else None
@@ -293,7 +300,13 @@ def main(argv=None):
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    start_epoch, start_step = resume(args, model, optimizer, scaler, rank)
+    start_epoch, start_step = resume(args, model, optimizer, scaler, rank, len(dataset))
+    if check_epochs(args, start_epoch, start_step, rank):
+        du.cleanup()
+        return
+    if rank == 0:
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+            json.dump(settings, f, indent=1)
     if args.compile:
         compile_model(model)
 
@@ -302,13 +315,15 @@ def main(argv=None):
     preemption = Preemption(world_size, args.dist_timeout)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
-              f"on {world_size} rank(s), lr {base_lr:.4g}, augment on {args.augment}"
-              f"{', JPEGs decoded on the device' if loader and args.decode == 'device' else ''}", flush=True)
+              f"on {world_size} rank(s), lr {base_lr:.4g}", flush=True)
+        print(chosen_path(args, batches, device), flush=True)
 
     terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
     training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=terms)
-    run = Run(args, training, build_step(args, training, device), loader, batches, sampler, device,
-              writer, preemption, base_lr, max_bad, nonfinite=torch.zeros((), device=device), lam=lam)
+    step = build_step(training, device, args.cuda_graph, args.compile)
+    run = Run(args=args, training=training, step=step, loader=loader, batches=batches, sampler=sampler,
+              device=device, writer=writer, preemption=preemption, base_lr=base_lr, max_bad=max_bad,
+              nonfinite=torch.zeros((), device=device), lam=lam)
     run.first_step = start_epoch * run.steps_per_epoch + start_step
     epochs_done_here = 0
     for epoch in range(start_epoch, args.epochs):
@@ -317,7 +332,7 @@ def main(argv=None):
         if stopped_at is not None:  # preempted mid-epoch: save the exact position and leave
             if rank == 0:
                 checkpoint.save(run_state(model, optimizer, scaler, args, epoch, stopped_at,
-                                           epoch * run.steps_per_epoch + stopped_at), args.output_dir)
+                                           epoch * run.steps_per_epoch + stopped_at, sampler.n), args.output_dir)
                 print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; "
                       f"exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
             du.barrier()
@@ -342,6 +357,20 @@ def main(argv=None):
     du.cleanup()
 
 
+def check_epochs(args, start_epoch, start_step, rank):
+    """--epochs against the checkpoint resumed: below it, an error; at it, True (the run is complete)."""
+    begun = start_epoch + (start_step > 0)
+    if begun > args.epochs:
+        raise UserError(f"the checkpoint is at epoch {begun}, --epochs {args.epochs} is below it: pass --epochs "
+                        f"{begun} or more to continue it, or another --output-dir to start afresh")
+    if start_epoch == args.epochs:
+        if rank == 0:
+            print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
+                  "raise --epochs to train longer", flush=True)
+        return True
+    return False
+
+
 def resolve_device_defaults(args, device, world_size):
     """The defaults that depend on the device, resolved so that args.json and the checkpoints record
     them: on a GPU the augmentations run there, JPEGs are decoded there, the model is compiled and,
@@ -364,20 +393,23 @@ def build_batches(args, dataset, sampler, views, device, max_bad):
     if wanted(args.preload, device) and args.augment == "gpu":
         images = preload(dataset, device, args.preload == "device", args.workers, max_bad)
     if images is not None:
-        return None, PreloadedViews(images, views, sampler, args.seed, amp_dtype, args.channels_last)
+        return None, PreloadedViews(images, views, sampler, args.seed, dtype=amp_dtype,
+                                    channels_last=args.channels_last, compile=args.compile)
     loader = pretrain_loader(dataset, views, sampler, args.batch_size // du.world_size(), args.workers, device,
                              args.seed)
-    return loader, DeviceViews(loader, device, amp_dtype, args.channels_last)
+    return loader, DeviceViews(loader, device, dtype=amp_dtype, channels_last=args.channels_last, compile=args.compile)
 
 
-def build_step(args, training, device):
-    """The step function f(views, momentum) -> (loss, finite, terms): train_step, or its CUDA graph;
-    with --compile, eager again if compiling fails."""
-    step = functools.partial(train_step, training)
-    if args.cuda_graph:
-        lr_as_tensors(training.optimizer, device)
-        step = GraphedStep(training, CudaGraphs(device))
-    return CompileFallback(step, training) if args.compile else step
+def chosen_path(args, batches, device):
+    """One line of what the run chose, so that --augment / --decode / --preload / --compile / --cuda-graph need
+    reading only to choose otherwise: where the images come from, where the views are made, the step, --amp."""
+    if isinstance(batches, PreloadedViews):
+        data = f"preloaded on {device} ({batches.images.images.nbytes / 2 ** 20:.0f} MiB)"
+    else:
+        data = f"loader, {args.workers} worker(s)" + (", JPEGs decoded on the device" * (args.decode == "device"))
+    views = "in the loader workers" if args.augment == "cpu" else f"on {device}" + (", compiled" * args.compile)
+    step = f"CUDA graph after {GRAPH_WARMUP} steps" if args.cuda_graph else "compiled" if args.compile else "eager"
+    return f"=> data: {data}; views: {views}; step: {step}; amp {args.amp}"
 
 
 def check_world(args, world_size, device):
@@ -403,7 +435,8 @@ def end_epoch(run, done, knn_sets):
     ranks wait at the kNN monitor or the barrier), the kNN monitor on every rank, a line of log.txt."""
     args, t = run.args, run.training
     if du.is_main():
-        checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch),
+        checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch,
+                                  run.sampler.n),
                         args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
                         keep=args.keep_checkpoints)
     log = dict(epoch=done, **run.epoch_stats)
@@ -421,21 +454,12 @@ def end_epoch(run, done, knn_sets):
 
 
 def build_knn_sets(args, device):
-    """(train set, val set, number of classes) of the kNN monitor, without augmentation; preloaded on
-    the device as main_lincls.py --knn does for a small-input trunk (--preload)."""
-    for split in ("train", "val"):
-        if not os.path.isdir(os.path.join(args.knn_data, split)):
-            raise UserError(f"--knn-data {args.knn_data} has no {split}/ folder: the kNN monitor needs "
-                            "DIR/train and DIR/val in ImageFolder layout")
-    size = eval_crop_size(None, args.small_input, vars(args))[0]  # main_lincls.py's rule for this trunk
-    train, val = (build_dataset("imagefolder", args.knn_data, split) for split in ("train", "val"))
-    if args.small_input:
-        bank, queries = (preload_eval(ds, size, args.preload, device, args.workers, what=f"kNN {split} images")
-                         for ds, split in ((train, "train"), (val, "val")))
-        if bank and queries:
-            return bank, queries, len(train.classes)
-    train.transform = val.transform = eval_transform(False, size, args.small_input)
-    return train, val, len(train.classes)
+    """(train set, val set, number of classes) of the kNN monitor: --knn-data in --dataset's layout, read
+    as main_lincls.py --knn reads it (sce.evaldata: the same reader, class checks, preloading, and input
+    size for this trunk), so that the monitor's number is the one main_lincls.py gives on the checkpoint."""
+    size = eval_crop_size(None, args.small_input, vars(args), args.dataset)[0]
+    return evaldata.splits(args.dataset, args.knn_data, size, args.small_input, device, args.preload, args.decode,
+                           args.workers, class_list=args.class_list, what="kNN ")
 
 
 def knn_monitor(args, model, knn_sets, device):
@@ -445,8 +469,12 @@ def knn_monitor(args, model, knn_sets, device):
         du.broadcast(buffer)
 
     def accuracy():
-        return knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t, workers=min(args.workers, 4),
-                            max_train=args.knn_max_train, seed=args.seed)
+        compiles = len(compiling.SECONDS)
+        result = knn_accuracy(model.encoder, *knn_sets, device, args.knn_k, args.knn_t, workers=min(args.workers, 4),
+                              max_train=args.knn_max_train, seed=args.seed)
+        if len(compiling.SECONDS) > compiles and du.is_main():  # eval mode, and the last partial batch
+            print(f"=> the kNN monitor compiled the encoder: {compiling.summary(compiles)}", flush=True)
+        return result
     if not args.compile:
         return accuracy()
     try:  # the compiled encoder compiles again in eval mode: a failure there costs the monitor nothing

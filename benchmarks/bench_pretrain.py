@@ -35,14 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from photos import write_photos  # noqa: E402
-from sce import cli, losses  # noqa: E402
-from sce import preload  # noqa: E402
+from sce import cli, compiling, losses, preload  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE, build_trunk  # noqa: E402
+from sce.datasets import build_dataset  # noqa: E402
 from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
-from sce.engine import (CudaGraphs, GraphedStep, Training, compile_model, compile_trunk, lr_as_tensors,  # noqa: E402
-                        train_step)
-from sce.loader import ResumableSampler, build_dataset, pretrain_loader  # noqa: E402
+from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model, compile_trunk  # noqa: E402
+from sce.loader import ResumableSampler, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +54,9 @@ parser.add_argument("--crop-size", type=int, default=224, help="(default: 224)")
 parser.add_argument("--queue-size", type=int, default=65536, help="(default: 65536)")
 parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="(default: none)")
 parser.add_argument("--channels-last", action="store_true")
-parser.add_argument("--compile", action="store_true", help="torch.compile the encoders and heads")
+parser.add_argument("--compile", action="store_true",
+                    help="torch.compile the encoders, the heads and the device augmentation (main_pretrain.py's default "
+                         "on CUDA)")
 parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
 parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with split BN of --bn-splits chunks")
 parser.add_argument("--bn-splits", type=int, default=8, help="split BN chunks under --shuffle-bn (default: 8)")
@@ -84,7 +85,9 @@ parser.add_argument("--e2e-workers", type=int, nargs="*", default=[], metavar="N
                     help="end to end with --augment gpu and decode again with N loader processes each: does the loader "
                          "compete with the training process for the cores?")
 parser.add_argument("--steps", type=int, default=20, help="timed steps or batches per measurement (default: 20)")
-parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement (default: 3)")
+parser.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps before each measurement; with --cuda-graph at least the eager steps before "
+                         f"the capture + 1 ({GRAPH_WARMUP + 1}), as main_pretrain.py takes them (default: 3)")
 parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
 parser.add_argument("--skip-data", action="store_true", help="measure the training step only")
 parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
@@ -94,6 +97,8 @@ if args.lincls and args.data:
     parser.error("--lincls splits the benchmark's own photos into two classes: drop --data")
 if args.cuda_graph and device.type != "cuda":
     parser.error("--cuda-graph needs a CUDA device")
+if args.cuda_graph:  # the capture happens in the untimed steps, after main_pretrain.py's eager ones
+    args.warmup = max(args.warmup, GRAPH_WARMUP + 1)
 torch.backends.cudnn.benchmark = True  # as main_pretrain.py
 amp_dtype = cli.AMP[args.amp]
 ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
@@ -144,8 +149,9 @@ def build_training():
     """(Training, step function) as main_pretrain.py builds them: train_step, or its CUDA graph."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    model = SCE(losses.sce_loss, args.arch, args.small_input, args.proj_hidden_dims, args.proj_dim, args.proj_last_bn,
-                [], queue, args.symmetric, args.shuffle_bn, args.bn_splits if args.shuffle_bn else 1).to(device)
+    model = SCE(losses.sce_loss, arch=args.arch, small_input=args.small_input, proj_hidden_dims=args.proj_hidden_dims,
+                proj_dim=args.proj_dim, proj_last_bn=args.proj_last_bn, queue_size=queue, symmetric=args.symmetric,
+                shuffle_bn=args.shuffle_bn, bn_splits=args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer("sgd", model, 0.1, 1e-4)
@@ -154,10 +160,7 @@ def build_training():
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     terms = functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07)  # logged every step, as main_pretrain.py
     training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
-    if not args.cuda_graph:
-        return training, functools.partial(train_step, training)
-    lr_as_tensors(optimizer, device)
-    return training, GraphedStep(training, CudaGraphs(device), warmup=1)  # captured within the warmup steps
+    return training, build_step(training, device, args.cuda_graph, args.compile)
 
 
 def bench_references():
@@ -215,12 +218,12 @@ def bench_data(dataset, augment):
     seconds = time.perf_counter() - start
     views = batch if isinstance(batch, dict) else batch[0]  # a dict: JPEGs still encoded (decode)
     device_ms = eager_ms = None
-    if augment != "cpu":  # the default (compiled on CUDA), then eager, on the last batch
-        device_ms = time_device_augment(views, compile=None)
+    if augment != "cpu":  # compiled on CUDA (main_pretrain.py's default there), then eager, on the last batch
+        device_ms = time_device_augment(views, compile=device.type == "cuda")
         eager_ms = time_device_augment(views, compile=False)
     if args.profile and augment != "cpu":
         with torch.profiler.profile() as prof:
-            views_to_device(views, device, amp_dtype, args.channels_last)
+            views_to_device(views, device, amp_dtype, args.channels_last, device.type == "cuda")
             sync()
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
@@ -231,7 +234,7 @@ def bench_data(dataset, augment):
 
 
 def time_device_augment(views, compile):
-    views_to_device(views, device, amp_dtype, args.channels_last, compile)  # compiles, on CUDA by default
+    views_to_device(views, device, amp_dtype, args.channels_last, compile)  # compiles, if asked
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -245,11 +248,27 @@ def time_steps(step, views):
     for _ in range(args.warmup):
         step(views, 0.99)
     sync()
-    start = time.perf_counter()
+    graphs, start = compiling.graphs_compiled(), time.perf_counter()
     for _ in range(args.steps):
         step(views, 0.99)
     sync()
+    no_compile_while_timed(graphs)
     return (time.perf_counter() - start) / args.steps
+
+
+def no_compile_while_timed(graphs_before):
+    """A row that timed a compile (a graph compiled after the warm-up) would report the compiler: stop."""
+    new = compiling.graphs_compiled() - graphs_before
+    if new:
+        raise SystemExit(f"error: {new} graph(s) compiled during the timed steps ({compiling.summary()}): the "
+                         "warm-up did not cover every compile (a recompile?)")
+
+
+def check_graph(step):
+    """A row that asked for a CUDA graph and ran eagerly would report the eager step as the graph's: stop."""
+    if args.cuda_graph and getattr(step, "replay", None) is None:
+        raise SystemExit("error: --cuda-graph: the step was not captured (see the warning above): its rows would "
+                         "time eager steps")
 
 
 def bench_train_step(training, step):
@@ -264,6 +283,7 @@ def bench_train_step(training, step):
         unguarded_s = time_steps(step, views)
         training.guard = True
     step_s = time_steps(step, views)
+    check_graph(step)
     fields = dict(what="train_step", **SETTING, graph_captured=getattr(step, "replay", None) is not None,
                   step_ms=round(1000 * step_s, 2),
                   images_per_s=round(args.batch_size / step_s, 1), **of_references(args.batch_size / step_s))
@@ -274,8 +294,30 @@ def bench_train_step(training, step):
         fields["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
     if not args.compile and not args.cuda_graph:  # (a compiled model or a graph would not take the small shape)
         fields["host_step_ms"] = round(1000 * host_step_s(step, training), 2)
+    fields.update(criterion_ms(training, step_s))
     report(**fields)
     return args.batch_size / step_s
+
+
+def criterion_ms(training, step_s):
+    """The loss and its logged terms as the step runs them (fp32, autocast off: sce.builder.SCE.forward), and
+    the same under autocast in --amp's dtype (what the step ran before), on embeddings and a queue of the
+    setting's shapes: ms each, and the fp32 criterion's share of the step."""
+    queue = training.model.queue
+    q, k = (torch.nn.functional.normalize(torch.randn(args.batch_size, queue.shape[1], device=device), dim=1)
+            for _ in range(2))
+    q.requires_grad_(True)
+
+    def criterion(_views, _m):
+        loss = losses.sce_loss(q, k, queue)
+        loss.backward()
+        losses.loss_terms(q.detach(), k, queue)
+    fp32 = time_steps(criterion, None)
+    out = dict(criterion_ms=round(1000 * fp32, 3), criterion_share=round(fp32 / step_s, 4))
+    if amp_dtype is not None:
+        with cli.autocast(device, args.amp):
+            out["criterion_ms_under_amp"] = round(1000 * time_steps(criterion, None), 3)
+    return out
 
 
 def host_step_s(step, training):
@@ -301,12 +343,14 @@ def run_pipeline(step, batches):
         views, _, _ = next(batches_iter)
         step(views, 0.99)
     sync()
-    batches.wait_s, start = 0.0, time.perf_counter()
+    batches.wait_s, graphs, start = 0.0, compiling.graphs_compiled(), time.perf_counter()
     for _ in range(args.steps):
         views, _, _ = next(batches_iter)
         step(views, 0.99)
     sync()
     seconds = time.perf_counter() - start
+    no_compile_while_timed(graphs)
+    check_graph(step)
     return args.steps * args.batch_size / seconds, batches.wait_s / seconds, batches_iter
 
 
@@ -318,7 +362,7 @@ def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None,
         batches = PreloadedEpochs(dataset)
     else:
         loader = make_loader(dataset, augment, args.warmup + args.steps + 4, workers)
-        batches = DeviceViews(loader, device, amp_dtype, args.channels_last)
+        batches = DeviceViews(loader, device, amp_dtype, args.channels_last, args.compile)
     images_per_s, wait, batches_iter = run_pipeline(step, batches)
     syncs, sites = count_host_syncs(step, batches_iter) if device.type == "cuda" else (None, None)
     if profile and args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
@@ -349,7 +393,8 @@ class PreloadedEpochs:
         views = MultiView([View(aug, args.crop_size, on_device=True) for aug in ("weak", "strong")])
         for epoch in itertools.count():
             sampler.set_epoch(epoch)
-            yield from preload.PreloadedViews(self.images, views, sampler, 0, amp_dtype, args.channels_last)
+            yield from preload.PreloadedViews(self.images, views, sampler, 0, amp_dtype, args.channels_last,
+                                              args.compile)
 
 
 def preloaded_images(dataset):
@@ -368,7 +413,7 @@ def bench_device_pipeline(step, dataset, compute_images_per_s):
     device side's cost from the host's (loader workers competing with the training process)."""
     cached = list(itertools.islice(iter(make_loader(dataset, "gpu", 4)), 4))
     source = (cached[i % 4] for i in range(args.warmup + args.steps + 4))
-    images_per_s, _, _ = run_pipeline(step, DeviceViews(source, device, amp_dtype, args.channels_last))
+    images_per_s, _, _ = run_pipeline(step, DeviceViews(source, device, amp_dtype, args.channels_last, args.compile))
     report(what="device_pipeline", augment="gpu", **SETTING, images_per_s=round(images_per_s, 1),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None)
 
@@ -454,7 +499,8 @@ def table():
             other = f"{100 * r['of_forward']:.1f}% of a no-grad forward" if "of_forward" in r else "no-grad trunk"
             print(f"| {r['what']} | - | {r['images_per_s']} | {other} |")
         elif r["what"] == "train_step":
-            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step"
+            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, loss {r['criterion_ms']} ms "
+                  f"({100 * r['criterion_share']:.1f}%)"
                   f"{', guard ' + format(100 * r['guard_share'], '.2f') + '%' if 'guard_share' in r else ''}"
                   f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''}"
                   f"{', host ' + str(r['host_step_ms']) + ' ms/step' if 'host_step_ms' in r else ''}{ratios(r)} |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How far the device's JPEG decoder (sce.device_decode: torchvision's decode_jpeg on CUDA, the GPU's JPEG
 engines) is from libjpeg-turbo (its CPU decoder, what the loader workers use), in 8-bit levels over every
-pixel of the JPEGs training sends there (sce.loader.read_header's plain ones); exit 1 past the bounds.
+pixel of the JPEGs training sends there (sce.datasets.read_header's plain ones); exit 1 past the bounds.
 
     python benchmarks/check_decode.py [--data DIR] [--images 64] [--max-mean 2] [--max-diff 80]
 
@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from photos import write_photos  # noqa: E402
+from sce.datasets import decode_rgb_tensor, read_header  # noqa: E402
 from sce.device_decode import decode_all  # noqa: E402
-from sce.loader import decode_rgb_tensor, read_header  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR", help="a folder of JPEG files (searched recursively)")

@@ -3,7 +3,10 @@
 every epoch of log.txt has a finite loss and no skipped step (--max-skipped), the online trunk turned
 away from the momentum one, and the checkpoint is at the expected position.
 
-    python benchmarks/check_run.py OUTPUT_DIR [--epoch E] [--step S] [--max-skipped N]
+    python benchmarks/check_run.py OUTPUT_DIR [--epoch E] [--step S] [--max-skipped N] [--knn RESULTS_JSON]
+
+--knn: the kNN top-1 of main_lincls.py --knn on the checkpoint (its results_knn.json) must be the kNN monitor's
+of the last epoch (the same reader and classifier; compiled trunks may differ by a few images).
 """
 import argparse
 import json
@@ -19,6 +22,7 @@ parser.add_argument("output_dir")
 parser.add_argument("--epoch", type=int, help="completed epochs the checkpoint must hold")
 parser.add_argument("--step", type=int, help="completed steps the checkpoint must hold")
 parser.add_argument("--max-skipped", type=int, default=0, help="skipped steps allowed in an epoch (default: 0)")
+parser.add_argument("--knn", metavar="RESULTS_JSON", help="main_lincls.py --knn's results on the checkpoint")
 args = parser.parse_args()
 
 with open(os.path.join(args.output_dir, "log.txt")) as f:
@@ -30,6 +34,12 @@ online, momentum = (checkpoint.trunk_state_dict(ckpt, encoder=e)["conv1.weight"]
                     for e in ("online", "momentum"))
 if (online / online.norm() - momentum / momentum.norm()).norm() <= 1e-6:  # weight decay alone only rescales
     problems.append("the online trunk points as the momentum one: it did not learn")
+if args.knn:
+    with open(args.knn) as f:
+        lincls = json.load(f)["acc1"]
+    monitor = epochs[-1].get("knn_top1")
+    if monitor is None or abs(monitor - lincls) > 0.25:
+        problems.append(f"kNN top-1 of the monitor {monitor}, of main_lincls.py --knn {lincls:.2f}")
 for key, want in (("epoch", args.epoch), ("step", args.step)):
     if want is not None and ckpt[key] != want:
         problems.append(f"checkpoint {key} {ckpt[key]}, expected {want}")

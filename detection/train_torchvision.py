@@ -212,6 +212,7 @@ def main():
     parser.add_argument("--print-freq", default=20, type=int, help="log every N iterations (default: 20)")
     parser.add_argument("--seed", default=0, type=int, help="random seed (default: 0)")
     args = parser.parse_args()
+    cli.check_finite(args)
     cli.check_ranges({"--batch-size": args.batch_size, "--epochs": args.epochs, "--warmup-iters": args.warmup_iters,
                       "--print-freq": args.print_freq, "--min-size": args.min_size, "--max-size": args.max_size,
                       "--rois-per-image": args.rois_per_image},

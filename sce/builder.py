@@ -107,6 +107,11 @@ def split_batch_norm(module, splits):
     return module
 
 
+def at_least_fp32(x):
+    """Embeddings for the criterion: fp16 / bf16 outputs of autocast cast up to fp32 (fp64 stays)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def momentum_at(step, total_steps, m0, schedule="cosine"):
     """EMA momentum: constant m0, or a cosine from m0 at step 0 to 1 at the last step."""
     if schedule == "constant" or total_steps <= 0:
@@ -183,7 +188,7 @@ class SCE(nn.Module):
         self.queue_ptr.add_(keys.shape[0]).remainder_(size)
 
     def online(self, x):
-        return F.normalize(self.predictor(self.projector(self.encoder(x))).float(), dim=1)
+        return F.normalize(at_least_fp32(self.predictor(self.projector(self.encoder(x)))), dim=1)
 
     @torch.no_grad()
     def target(self, x):
@@ -199,7 +204,7 @@ class SCE(nn.Module):
         return out[torch.argsort(perm)].chunk(world)[rank]
 
     def _momentum(self, x):
-        return F.normalize(self.momentum_projector(self.momentum_encoder(x)).float(), dim=1)
+        return F.normalize(at_least_fp32(self.momentum_projector(self.momentum_encoder(x))), dim=1)
 
     def pairs(self, num_views):
         """(target view, query view) pairs the loss averages over."""
@@ -213,7 +218,10 @@ class SCE(nn.Module):
         queries = {v: self.online(views[v]) for v in sorted({v for _, v in pairs})}
         # every term of the step uses the queue from before this step's keys
         queue = self.queue.clone().detach()
-        loss = sum(self.criterion(queries[v], keys[t], queue) for t, v in pairs) / len(pairs)
+        # the criterion in fp32 whatever --amp: bf16's 8-bit mantissa puts ~0.01 of error on a cosine, ~0.1 on it
+        # over tau_m, before the softmax that builds SCE's target; a few small matrix products beside the trunk
+        with torch.autocast(queue.device.type, enabled=False):
+            loss = sum(self.criterion(queries[v], keys[t], queue) for t, v in pairs) / len(pairs)
         self.enqueue(torch.cat([keys[t] for t in targets]))
         t, v = pairs[0]
         return loss, (queries[v].detach(), keys[t], queue)

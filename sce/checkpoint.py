@@ -39,11 +39,11 @@ def save_atomic(obj, path):
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError as e:
+    except Exception as e:  # a full disk is not always an OSError: torch.save says "unexpected pos"
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); "
-                        "the previous checkpoint is kept") from e
+        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"could not write checkpoint {path} ({reason}); the previous checkpoint is kept") from e
 
 
 def save(state, output_dir, numbered=False, keep=0):
@@ -64,6 +64,9 @@ def numbered_checkpoints(output_dir):
 
 def load(path):
     """Load a checkpoint on the CPU with weights_only=True (no arbitrary code runs)."""
+    if os.path.isdir(path):
+        raise UserError(f"checkpoint {path} is a directory, not a file: pass the checkpoint in it, e.g. "
+                        f"{os.path.join(path, 'checkpoint_last.pth')}")
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist: check the path")
     try:

@@ -1,18 +1,19 @@
-"""What the main_*.py scripts share: the --help formatter, the trunk and --amp flags, the entry-point
-wrapper (one-line UserErrors, torchrun error files), progress lines and cached trunk features."""
+"""What the main_*.py scripts share: the --help formatter, the shared flags and their checks, the entry-point
+wrapper (one-line UserErrors, torchrun error files, no loader worker left behind) and TensorBoard's writer."""
 import argparse
-import hashlib
 import json
 import math
+import multiprocessing
 import os
+import signal
 import sys
 import time
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
-from torch.utils.data import DataLoader
 
-from sce import UserError
+from sce import UserError, device_decode
+from sce.builder import ARCHS
 
 # ---------------------------------------------------------------- --help
 
@@ -47,7 +48,6 @@ def make_parser(description):
 
 def add_trunk_args(parser, required=True):
     """--pretrained --encoder -a/--arch --small-input: the frozen trunk the evaluation scripts read."""
-    from sce.builder import ARCHS
     g = parser.add_argument_group("trunk")
     g.add_argument("--pretrained", metavar="CHECKPOINT", required=required,
                    help="main_pretrain.py or main_lincls.py checkpoint, or a torchvision ResNet state dict")
@@ -68,14 +68,25 @@ def default_workers(most=16):
     return max(1, min(most, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 
 
+def check_finite(args):
+    """A one-line error for the first number of the parsed flags that is NaN or infinite: argparse's
+    float() takes `nan` and `inf`, and no range check catches NaN. Run right after parsing."""
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            flag = "--" + dest.rstrip("_").replace("_", "-")
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            raise UserError(f"{flag} must be a finite number (got {shown})")
+
+
 def check_ranges(positive=(), at_least_zero=(), unit_interval=()):
     """A one-line error for the first flag out of its range; each argument: {flag: value}, where a
-    value of None (flag not given) is skipped."""
+    value of None (flag not given) is skipped. Written so that NaN fails every range."""
     for flag, value in dict(positive).items():
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:
             raise UserError(f"{flag} must be positive (got {value})")
     for flag, value in dict(at_least_zero).items():
-        if value is not None and value < 0:
+        if value is not None and not value >= 0:
             raise UserError(f"{flag} must be >= 0 (got {value})")
     for flag, value in dict(unit_interval).items():
         if value is not None and not 0 <= value <= 1:
@@ -111,8 +122,7 @@ def add_decode_arg(parser):
 
 def resolve_decode(decode, device):
     """--decode auto: device where torchvision decodes JPEGs on it (a GPU), else loader."""
-    from sce.device_decode import available
-    return ("device" if available(device) else "loader") if decode == "auto" else decode
+    return ("device" if device_decode.available(device) else "loader") if decode == "auto" else decode
 
 
 def autocast(device, amp):
@@ -143,11 +153,27 @@ def run(main):
     torchrun a failing rank writes the error file that torchrun's summary reads, so the summary
     names the first rank that failed and its message, whatever its peers raise next. A UserError
     then ends as one line `error: ...` on stderr, exit status 1, no traceback; any other exception
-    keeps its traceback."""
+    keeps its traceback. Whatever the exit, its loader workers end with it."""
     try:
         record(main, _ErrorFile())()
     except UserError as e:
         sys.exit(f"error: {e}")
+    finally:
+        end_workers()
+
+
+def end_workers():
+    """Kill the loader workers still running (they hold no state). Pretraining's ignore SIGTERM
+    (sce.preemption), and after an error their DataLoader is still referenced by the traceback, so
+    multiprocessing's exit hook, which sends SIGTERM and joins, would wait for them forever."""
+    children = multiprocessing.active_children()
+    if not children:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise "worker killed" over the exit
+    for p in children:
+        p.kill()
+    for p in children:
+        p.join(10)
 
 
 def summary_writer(output_dir):
@@ -158,74 +184,3 @@ def summary_writer(output_dir):
         print("tensorboard is not installed: no TensorBoard scalars", flush=True)
         return None
     return SummaryWriter(output_dir)
-
-
-# ---------------------------------------------------------------- progress
-
-def format_eta(seconds):
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class Progress:
-    """Images done out of `total`, images/s since the previous report and the ETA at the mean rate
-    since the start: `update(n)` after each batch, `report()` for the text."""
-
-    def __init__(self, total):
-        self.total, self.done = total, 0
-        self.start = self.mark = time.time()
-        self.mark_done = 0
-
-    def update(self, n):
-        self.done += n
-
-    def report(self):
-        now = time.time()
-        rate = (self.done - self.mark_done) / max(now - self.mark, 1e-9)
-        mean = self.done / max(now - self.start, 1e-9)
-        self.mark, self.mark_done = now, self.done
-        eta = (self.total - self.done) / mean if self.done else math.inf
-        return f"{self.done}/{self.total} images, {rate:.0f} images/s, ETA {format_eta(eta)}"
-
-
-# ---------------------------------------------------------------- cached features
-
-def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, batch_size=256, workers=0,
-                   amp="none", **key):
-    """Global-average-pooled features (float32 numpy, not normalised) of every image of `dataset`,
-    in order, with the trunk in eval mode.
-
-    Cached in OUTPUT_DIR/features_<split>_<hash>.pt. The key: the checkpoint file (path, size,
-    mtime), the split, the dataset's size and transform, where its JPEGs are decoded, --amp, and the
-    caller's **key (encoder, arch, data path, ...). It is stored in the file and compared on reading;
-    a file that does not load is recomputed."""
-    from sce.checkpoint import save_atomic
-    from sce.device_decode import DecodedEval, decoded_loader
-    from sce.loader import collate_views
-    st = os.stat(checkpoint)
-    key = dict(key, checkpoint=os.path.abspath(checkpoint), mtime_ns=st.st_mtime_ns, size=st.st_size,
-               split=split, n=len(dataset), transform=repr(getattr(dataset, "transform", None)), amp=amp,
-               decoded_on_device=isinstance(dataset, DecodedEval))
-    key = json.loads(json.dumps(key, sort_keys=True, default=str))  # as it reads back from the file
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(output_dir, f"features_{split}_{digest}.pt")
-    if os.path.isfile(path):
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            if blob.get("key") == key:
-                print(f"{split}: features read from {path}", flush=True)
-                return blob["features"].numpy()
-        except Exception as e:  # a truncated or foreign file: compute it again
-            print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
-    from sce.knn import extract_features  # here: sce.knn uses this module's progress lines
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda", collate_fn=collate_views)
-    with autocast(device, amp):
-        feats, _ = extract_features(trunk, decoded_loader(loader, device), device, normalize=False,
-                                    name=f"{split} features")
-    feats = feats.cpu()
-    os.makedirs(output_dir, exist_ok=True)
-    save_atomic({"key": key, "features": feats}, path)
-    return feats.numpy()

@@ -9,8 +9,8 @@ torchvision.transforms.v2.functional computes for one image (tests compare them 
 Every op runs on every sample and a per-sample `where` keeps its result or not: no data-dependent
 shapes and no host sync, so on CUDA torch.compile fuses the chain into ~15 kernels (1.85 ms for
 256 images at 224 px on an H200, against ~20 ms eager). Hue, the costly op, runs once per batch
-(color_jitter). On a machine without a GPU the same code runs eagerly on CPU tensors in the
-training process.
+(color_jitter). The ops are compiled with the model (--compile, on by default on CUDA) and run
+eagerly otherwise: on a machine without a GPU, on CPU tensors in the training process.
 """
 import time
 import warnings
@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from sce import device_decode
+from sce import compiling, device_decode
 from sce.augment import BLUR_SIGMA, any_photometric, blur_kernel_size, normalize_stats, unpack_params
 
 BLUR_PAD = blur_kernel_size(BLUR_SIGMA[1]) // 2  # taps each side for the largest sigma
@@ -155,7 +155,7 @@ def run_compiled(fn, *args, compile=True):
     if not compile or compile_failed:
         return fn(*args)
     if fn.__name__ not in COMPILED:
-        COMPILED[fn.__name__] = torch.compile(fn, dynamic=False, fullgraph=True)
+        COMPILED[fn.__name__] = compiling.timed(fn.__name__, torch.compile(fn, dynamic=False, fullgraph=True))
         # one compile per view (size, Table 2 row): multi-crop's 6 views and their dtypes pass dynamo's default of 8
         config = torch._dynamo.config
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -171,22 +171,21 @@ def run_compiled(fn, *args, compile=True):
         return out
 
 
-def augment(crops, rows, device, dtype=None, channels_last=False, compile=None):
+def augment(crops, rows, device, dtype=None, channels_last=False, compile=False):
     """A view batch ready for the model: crops (N, 3, H, W) in [0, 255] (uint8, or float from
     sce.device_decode) and packed parameter rows
     (N, 12) from the loader -> the device, photometric ops, normalisation, then the dtype and
-    memory format asked for. compile (default: on CUDA): run the ops compiled."""
+    memory format asked for. compile: run the ops compiled (--compile; never behind the user's back)."""
     crops = crops.to(device, non_blocking=True)
     scale, shift = normalize_stats(crops.device)
     settings = (dtype or torch.float32, torch.channels_last if channels_last else torch.contiguous_format)
-    compile = crops.is_cuda if compile is None else compile
     if not any_photometric(rows):  # the weak view (rows are on the CPU: no sync)
         return run_compiled(crop_batch, crops, scale, shift, *settings, compile=compile)
     rows = rows.to(device, non_blocking=True)
     return run_compiled(augment_batch, crops, rows, scale, shift, *settings, compile=compile)
 
 
-def views_to_device(views, device, dtype=None, channels_last=False, compile=None, refetch=None):
+def views_to_device(views, device, dtype=None, channels_last=False, compile=False, refetch=None):
     """The loader's views, ready on the training device: normalised views (--augment cpu) are
     moved there; (uint8 crops, parameters) pairs (--augment gpu) are augmented there (compile: see
     augment); a batch of encoded JPEGs (--decode device, a dict) is decoded, cropped and augmented there
@@ -213,8 +212,9 @@ class DeviceViews:
     stream, just before its step. `wait_s` adds up the time spent waiting for the loader.
     """
 
-    def __init__(self, loader, device, dtype=None, channels_last=False):
+    def __init__(self, loader, device, dtype=None, channels_last=False, compile=False):
         self.loader, self.device, self.dtype, self.channels_last = loader, torch.device(device), dtype, channels_last
+        self.compile = compile  # the augmentation's ops compiled (--compile)
         self.wait_s = 0.0
         # an image no decoder reads (--decode device) is read again the workers' way: named and replaced
         self.refetch = getattr(getattr(loader, "dataset", None), "decoded", None)
@@ -247,6 +247,7 @@ class DeviceViews:
                 current.wait_event(copied)
                 for view in views if not isinstance(views, dict) else []:  # copied on the side stream, used here
                     (view[0] if isinstance(view, (list, tuple)) else view).record_stream(current)
-            yield (views_to_device(views, self.device, self.dtype, self.channels_last, refetch=self.refetch), *rest)
+            yield (views_to_device(views, self.device, self.dtype, self.channels_last, self.compile, self.refetch),
+                   *rest)
             if not stream:
                 ahead = self._fetch(batches, None)

@@ -21,7 +21,8 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 
 from sce.augment import RRC_RATIO, Encoded, EncodedSample, crop_geometry, normalize_stats, stand_in
-from sce.loader import decode_rgb_tensor
+from sce.datasets import decode_rgb_tensor
+from sce.loader import EvalSamples, UnreadableImage, image_path
 
 try:
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -147,7 +148,7 @@ def pretrain_views(batch, device, refetch):
 # ---------------------------------------------------------------- evaluation
 
 class DecodedEval(torch.utils.data.Dataset):
-    """An evaluation dataset read with sce.loader.read_encoded, whose JPEGs the device decodes: the
+    """An evaluation dataset read with sce.datasets.read_encoded, whose JPEGs the device decodes: the
     worker draws the geometry of each, a resize (short side) + centre crop (`resize` given) or, for
     training, a random resized crop + flip; mode: the resize's interpolation. Other files go through
     `transform` (the loader path's torchvision transform, on the worker)."""
@@ -168,10 +169,10 @@ class DecodedEval(torch.utils.data.Dataset):
         else:
             box = T.RandomResizedCrop.get_params(stand_in(img), (0.08, 1.0), RRC_RATIO)  # T.RandomResizedCrop's
             geometry = crop_geometry(*box, self.size, bool(torch.rand(1) < 0.5))
-        return EncodedSample(img.data, [geometry], None), target
+        return EncodedSample(img.data, [geometry], None, key=image_path(self.dataset, i)), target  # key: names it
 
     def path(self, i):
-        return self.dataset.path(i)
+        return image_path(self.dataset, i)
 
 
 def eval_batch(batch, size, device, mode="bilinear"):
@@ -182,8 +183,9 @@ def eval_batch(batch, size, device, mode="bilinear"):
         images, targets = batch
         return images.to(device, non_blocking=True), targets
     decoded = decode_all(batch, device)
-    if any(image is None for image in decoded):
-        raise RuntimeError(f"{sum(image is None for image in decoded)} image(s) of the batch are not readable")
+    bad = [key for key, image in zip(batch["keys"], decoded) if image is None]
+    if bad:  # an evaluation reads every image
+        raise UnreadableImage.of(bad[0], "neither the device's JPEG decoder nor PIL reads it", len(bad) - 1)
     scale, shift = normalize_stats(device)
     views = torch.addcmul(shift, crops(decoded, batch["geometry"][0], size, mode) / 255, scale)
     n = len(batch["encoded"]) + len(batch["decoded"])
@@ -207,9 +209,11 @@ class DecodedLoader:
 
 
 def decoded_loader(loader, device):
-    """A DecodedLoader for a DataLoader over a DecodedEval (or a Subset of one); any other, unchanged."""
+    """A DecodedLoader for a DataLoader over a DecodedEval (or a Subset, an EvalSamples of one); any other,
+    unchanged."""
     dataset = getattr(loader, "dataset", None)
-    dataset = getattr(dataset, "dataset", None) if isinstance(dataset, torch.utils.data.Subset) else dataset
+    while isinstance(dataset, (torch.utils.data.Subset, EvalSamples)):
+        dataset = dataset.dataset
     if not isinstance(dataset, DecodedEval):
         return loader
     return DecodedLoader(loader, device, dataset.size, dataset.mode)

@@ -8,6 +8,7 @@ when they are finite, as in MoCo. That costs a few kernel launches, against a co
 branches and the optimizer.
 """
 import dataclasses
+import functools
 import importlib.util
 import os
 import shutil
@@ -16,7 +17,9 @@ import warnings
 
 import torch
 
-from sce import UserError
+from sce import UserError, compiling
+
+GRAPH_WARMUP = 3  # eager steps before a CUDA graph's capture: compiles and cuDNN's autotuning happen there
 
 
 @dataclasses.dataclass
@@ -64,8 +67,7 @@ def train_step(t, views, momentum):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    with autocast:  # the similarities of the logged terms in the loss's precision, not in fp32
-        terms = t.terms(*outputs) if t.terms else None
+    terms = t.terms(*outputs) if t.terms else None  # the logged terms of eq. 10 in fp32, as the loss (SCE.forward)
     return loss.detach(), finite, terms
 
 
@@ -105,7 +107,7 @@ class GraphedStep:
     overwritten by the next call. If the capture fails, one warning and eager steps from then on.
     `graphs`: the capture mechanism (CudaGraphs; tests use a CPU stand-in)."""
 
-    def __init__(self, training, graphs, warmup=3):
+    def __init__(self, training, graphs, warmup=GRAPH_WARMUP):
         self.t, self.graphs, self.warmup = training, graphs, warmup
         self.calls, self.replay, self.outputs, self.failed = 0, None, None, False
         self.capture_s = None  # seconds the capture took, once done
@@ -161,6 +163,17 @@ class CudaGraphs:
         return graph.replay, lambda: out
 
 
+def build_step(training, device, cuda_graph=False, compile=False):
+    """The step f(views, momentum) -> (loss, finite, terms) of main_pretrain.py and of the benchmark:
+    train_step, or its CUDA graph captured after GRAPH_WARMUP eager steps; compiled modules (compile)
+    turn eager again if compiling fails."""
+    step = functools.partial(train_step, training)
+    if cuda_graph:
+        lr_as_tensors(training.optimizer, device)
+        step = GraphedStep(training, CudaGraphs(device), GRAPH_WARMUP)
+    return CompileFallback(step, training) if compile else step
+
+
 def lr_as_tensors(optimizer, device):
     """Each group's lr as a device tensor, which sce.optim.set_lr fills in place (a CUDA graph reads it)."""
     for group in optimizer.param_groups:
@@ -180,10 +193,14 @@ def check_compile(device):
 
 def compile_model(model):
     """torch.compile the encoders and heads in place; the queue, the all_gather and the loss stay
-    eager. nn.Module.compile keeps the state-dict keys, so compiled and eager checkpoints mix."""
-    for module in (model.encoder, model.projector, model.predictor, model.momentum_encoder,
-                   model.momentum_projector):
-        module.compile()
+    eager. nn.Module.compile keeps the state-dict keys, so compiled and eager checkpoints mix. A module
+    without parameters (the default Identity predictor) stays eager: its empty graph on the shared
+    compiled wrapper left the heads running uncompiled from the second call, and split BN recompiling."""
+    for name in ("encoder", "projector", "predictor", "momentum_encoder", "momentum_projector"):
+        module = getattr(model, name)
+        if any(True for _ in module.parameters()):
+            module.compile()
+            module._compiled_call_impl = compiling.timed(name, module._compiled_call_impl)
 
 
 def resolve_compile(flag, device):
@@ -266,7 +283,7 @@ def compile_trunk(module):
     """torch.compile a frozen trunk in place (state-dict keys kept). In eval mode it changes no state,
     so a compiled call that fails is simply redone eagerly: one warning, and the module stays eager."""
     module.compile()
-    compiled = module._compiled_call_impl
+    compiled = compiling.timed("trunk", module._compiled_call_impl)
 
     def call(*args, **kwargs):
         try:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from sce import UserError, cli
+from sce import UserError, compiling
 from sce import distributed as du
 from sce.builder import momentum_at
 from sce.engine import Training
@@ -17,6 +17,7 @@ from sce.loader import ResumableSampler, note_bad_images
 from sce.optim import cosine_lr, scheduled, set_lr
 from sce.preemption import Preemption
 from sce.preview import view_labels, views_grid
+from sce.progress import format_eta
 
 
 def lambda_scheduled(args):
@@ -69,6 +70,9 @@ def train_one_epoch(run, epoch, start_step):
     """One epoch from `start_step`; returns the step to resume from if preempted, else None.
     Leaves the epoch's averages in run.epoch_stats."""
     args, device = run.args, run.device
+    if start_step >= run.steps_per_epoch:  # a mid-epoch checkpoint of more data (older ones do not record its size)
+        raise UserError(f"the checkpoint stopped at step {start_step} of epoch {epoch + 1}, which now has "
+                        f"{run.steps_per_epoch} step(s): resume on the data it ran on, or from an epoch-end checkpoint")
     run.training.ddp_model.train()
     window = torch.zeros(1 + len(TERMS), device=device)  # finite steps, then the sums of TERMS (no host sync)
     epoch_sums = torch.zeros_like(window)
@@ -134,7 +138,8 @@ def note_first_steps(run, step, started):
         took = f"{time.time() - started:.1f} s"
         failed = getattr(run.step, "failed", None)  # CompileFallback's cause, when the step went eager
         print(f"=> compiling failed ({failed}): eager steps, the first took {took}" if failed
-              else f"=> compiling took {took} (the first step)", flush=True)
+              else f"=> the first step took {took}, compiling (each compile: {compiling.summary() or 'none'}; "
+                   "the backward's is inside the step's time)", flush=True)
     capture_s = getattr(run.step, "capture_s", None)
     if capture_s is not None and not run.graph_noted:
         run.graph_noted = True
@@ -166,7 +171,7 @@ def log_progress(run, epoch, i, step, stats, seconds_per_step):
     print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{run.steps_per_epoch}] loss {stats['loss']:.4f} "
           f"lr {stats['lr']:.4g} m {stats['momentum']:.5f} {stats['images_per_s']:.1f} img/s "
           f"data {100 * stats['data_wait_share']:.0f}%{memory} skipped {stats['skipped_steps']} "
-          f"eta {cli.format_eta(eta)}", flush=True)
+          f"eta {format_eta(eta)}", flush=True)
     if run.writer:
         for name, value in stats.items():
             run.writer.add_scalar(f"terms/{name}" if name in TERMS[1:] else f"train/{name}", value, step)

@@ -1,5 +1,5 @@
-"""Feature extraction and the weighted kNN classifier (Wu et al. 2018, as in the MoCo / SCE monitors),
-shared by every rank.
+"""Feature extraction, its cache for the scikit-learn evaluations, and the weighted kNN classifier (Wu et al.
+2018, as in the MoCo / SCE monitors), shared by every rank.
 
 Each rank extracts its own shard of the train (bank) and val (query) splits: no image twice, none
 dropped. The bank stays sharded; the queries are gathered. For each chunk of queries every rank
@@ -8,17 +8,22 @@ merged, so every rank ends with the scores one process would compute. Peak devic
 its bank shard (N_train / ranks x D), all queries (N_val x D), one chunk of similarities
 (chunk x N_train / ranks) and the gathered candidates (ranks x chunk x k).
 """
+import hashlib
+import json
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler, Subset
 
-from sce import UserError, cli
+from sce import UserError
 from sce import distributed as du
-from sce.device_decode import decoded_loader
-from sce.loader import collate_views
+from sce.checkpoint import save_atomic
+from sce.device_decode import DecodedEval, decoded_loader
+from sce.loader import EvalSamples, collate_views
 from sce.preload import Images, PreloadedBatches
+from sce.progress import Progress
 
 
 class Shard(Sampler):
@@ -41,7 +46,7 @@ def extract_features(trunk, loader, device, channels_last=False, normalize=True,
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
-    progress, shown = cli.Progress(len(loader.sampler)), time.time()
+    progress, shown = Progress(len(loader.sampler)), time.time()
     for images, targets in loader:
         images = images.to(device, non_blocking=True)
         if channels_last:
@@ -56,6 +61,41 @@ def extract_features(trunk, loader, device, channels_last=False, normalize=True,
             shown = time.time()
     trunk.train(was_training)
     return torch.cat(feats), torch.cat(labels)
+
+
+def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, batch_size=256, workers=0,
+                   amp_dtype=None, **key):
+    """Global-average-pooled features (float32 numpy, not normalised) of every image of `dataset`,
+    in order, with the trunk in eval mode.
+
+    Cached in OUTPUT_DIR/features_<split>_<hash>.pt. The key: the checkpoint file (path, size,
+    mtime), the split, the dataset's size and transform, where its JPEGs are decoded, the autocast dtype, the
+    caller's **key (encoder, arch, data path, ...). It is stored in the file and compared on reading;
+    a file that does not load is recomputed."""
+    st = os.stat(checkpoint)
+    key = dict(key, checkpoint=os.path.abspath(checkpoint), mtime_ns=st.st_mtime_ns, size=st.st_size,
+               split=split, n=len(dataset), transform=repr(getattr(dataset, "transform", None)), amp=str(amp_dtype),
+               decoded_on_device=isinstance(dataset, DecodedEval))
+    key = json.loads(json.dumps(key, sort_keys=True, default=str))  # as it reads back from the file
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(output_dir, f"features_{split}_{digest}.pt")
+    if os.path.isfile(path):
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            if blob.get("key") == key:
+                print(f"{split}: features read from {path}", flush=True)
+                return blob["features"].numpy()
+        except Exception as e:  # a truncated or foreign file: compute it again
+            print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
+    loader = DataLoader(EvalSamples(dataset), batch_size=batch_size, shuffle=False, num_workers=workers,
+                        pin_memory=device.type == "cuda", collate_fn=collate_views)  # every image read
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        feats, _ = extract_features(trunk, decoded_loader(loader, device), device, normalize=False,
+                                    name=f"{split} features")
+    feats = feats.cpu()
+    os.makedirs(output_dir, exist_ok=True)
+    save_atomic({"key": key, "features": feats}, path)
+    return feats.numpy()
 
 
 def gather_rows(x):
@@ -117,8 +157,8 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, 
         if isinstance(dataset, Images):  # preloaded on the device (sce.preload)
             loader = PreloadedBatches(dataset, Shard(len(dataset)), batch_size)
         else:  # a private generator: from the global RNG, the training's draws would move (exact resume)
-            loader = DataLoader(dataset, batch_size=batch_size, sampler=Shard(len(dataset)), num_workers=workers,
-                                pin_memory=device.type == "cuda", generator=torch.Generator(),
+            loader = DataLoader(EvalSamples(dataset), batch_size=batch_size, sampler=Shard(len(dataset)),
+                                num_workers=workers, pin_memory=device.type == "cuda", generator=torch.Generator(),
                                 collate_fn=collate_views)
         return extract_features(trunk, decoded_loader(loader, device), device, name=name)
     bank, bank_labels = features(train_set, "train features")

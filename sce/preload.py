@@ -12,6 +12,7 @@ per image), then come the photometric ops of sce.device_augment, from the same T
 parameters from different random streams; given the same parameters they give the same views up to
 the loader's uint8 rounding of the crop (tests/test_preload.py).
 """
+import functools
 import math
 import os
 import time
@@ -21,10 +22,12 @@ import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 
-from sce import UserError, cli
+from sce import UserError
 from sce.augment import AUGMENTATIONS, BLUR_SIGMA, RRC_RATIO, Encoded, jitter_ranges, normalize_stats
+from sce.datasets import decode_rgb_tensor
 from sce.device_augment import normalize, photometric, run_compiled
-from sce.loader import decode_rgb_tensor
+from sce.loader import UnreadableImage, image_path
+from sce.progress import Progress
 
 MEMORY_SHARE = 0.25  # of the device's memory, at most, for the decoded images
 PRELOADED = {}  # device -> bytes of the images preloaded there by this process
@@ -58,14 +61,14 @@ class _Decoded(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i):
-        try:
+        try:  # decode errors come as many exception types, from the reader or the decoder
             img = self.dataset[i][0]
-        except Exception as e:  # decode errors come as many exception types
+            if isinstance(img, Encoded):  # read for the device's decoder (--decode device): decoded here, once
+                img = decode_rgb_tensor(img.data.numpy().tobytes())
+            if self.transform:
+                img = self.transform(TF.to_pil_image(img) if torch.is_tensor(img) else img)
+        except Exception as e:
             return i, None, f"{type(e).__name__}: {e}"[:300]
-        if isinstance(img, Encoded):  # read for the device's decoder (--decode device): decoded here, once
-            img = decode_rgb_tensor(img.data.numpy().tobytes())
-        if self.transform:
-            img = self.transform(TF.to_pil_image(img) if torch.is_tensor(img) else img)
         return i, img if torch.is_tensor(img) else TF.pil_to_tensor(img), ""
 
 
@@ -92,7 +95,7 @@ def preload(dataset, device, required=False, workers=0, max_bad=0, transform=Non
     saying why, where the loader must read it: images of several sizes, or more than MEMORY_SHARE of the
     device's memory. required (--preload device): a one-line error instead. transform: a deterministic
     PIL transform applied once (main_lincls.py's resize). An unreadable image is named, counted against
-    max_bad and replaced by the next readable one, as the loader does."""
+    max_bad and replaced by the next readable one, as the loader does (max_bad None: an evaluation, none is)."""
     def cannot(reason):
         if required:
             raise UserError(f"--preload device: {reason}: use --preload off (the loader)")
@@ -129,37 +132,65 @@ def wanted(mode, device):
 def preload_eval(dataset, size, mode, device, workers=0, train=False, what="images"):
     """A split of the small-image evaluation protocol (main_lincls.py, the kNN monitor) preloaded with the
     deterministic part of its transform, a resize to `size` (val: and its centre crop), or None: --preload
-    off, auto on a CPU, or images that cannot be preloaded (the loader reads them)."""
+    off, auto on a CPU, or images that cannot be preloaded (the loader reads them). Every image must be
+    readable: an unreadable one is an error naming it, none is replaced (sce.loader.UnreadableImage)."""
     if not wanted(mode, device):
         return None
     prefix = T.Compose([T.Resize(size)] + ([] if train else [T.CenterCrop(size)]))
-    return preload(dataset, device, mode == "device", workers, transform=prefix, what=what)
+    return preload(dataset, device, mode == "device", workers, max_bad=None, transform=prefix, what=what)
+
+
+BATCH_TIMEOUT_S = 300  # a decoding worker silent this long has failed (its sending thread died): stop, not hang
+
+
+def _stack_batch(samples, shape):
+    """collate_fn of the decoding loader: (indices, one uint8 tensor of their images, {index: reason} of
+    the unreadable ones, the first other shape met or None). One tensor crosses from a worker per batch,
+    one file descriptor (a list of 256 images would take 256 and could exhaust `ulimit -n`)."""
+    fits = [(i, img) for i, img, _ in samples if img is not None and tuple(img.shape) == shape]
+    other = next((tuple(img.shape) for _, img, _ in samples if img is not None and tuple(img.shape) != shape), None)
+    images = torch.stack([img for _, img in fits]) if fits else torch.empty((0,) + shape, dtype=torch.uint8)
+    return [i for i, _ in fits], images, {i: reason for i, img, reason in samples if img is None}, other
 
 
 def _decode_all(dataset, shape, workers, transform, what):
     """(uint8 tensor (N, *shape), {index: reason} of unreadable images) decoded by `workers` processes
-    with a progress line, or (None, reason) when an image has another size."""
+    with a progress line, or (None, reason) when an image has another size. A failing worker (killed,
+    out of file descriptors) ends the run with one line."""
     images = torch.empty((len(dataset),) + shape, dtype=torch.uint8)
-    bad, progress, shown = {}, cli.Progress(len(dataset)), time.time()
+    bad, progress, shown = {}, Progress(len(dataset)), time.time()
     loader = torch.utils.data.DataLoader(_Decoded(dataset, transform), batch_size=256, num_workers=workers,
-                                         collate_fn=list)
-    for batch in loader:
-        for i, img, reason in batch:
-            if img is None:
-                bad[i] = reason
-            elif tuple(img.shape) != shape:
-                return None, (f"{what} of different sizes ({'x'.join(map(str, shape))} and "
-                              f"{'x'.join(map(str, img.shape))}) do not stack into one tensor")
-            else:
-                images[i] = img
-        progress.update(len(batch))
+                                         collate_fn=functools.partial(_stack_batch, shape=shape),
+                                         timeout=BATCH_TIMEOUT_S if workers else 0)
+    batches = iter(loader)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # noqa: BLE001: a worker died, timed out or could not send its batch
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"decoding the {what} to preload them failed in a loader worker ({reason}): retry "
+                            f"with fewer --workers (now {workers}), raise the open-file limit (ulimit -n), or use "
+                            "--preload off") from None
+        if batch is None:
+            return images, bad
+        index, decoded, bad_here, other = batch
+        if other:
+            return None, (f"{what} of different sizes ({'x'.join(map(str, shape))} and "
+                          f"{'x'.join(map(str, other))}) do not stack into one tensor")
+        images[index] = decoded
+        bad.update(bad_here)
+        progress.update(len(index) + len(bad_here))
         if time.time() - shown > 10 or progress.done == len(dataset):
             print(f"preloading {what}: {progress.report()}", flush=True)
             shown = time.time()
-    return images, bad
 
 
 def _replace_bad(images, bad, dataset, max_bad):
+    if not bad:
+        return
+    if max_bad is None:  # an evaluation (preload_eval): every image counts, none is replaced
+        first = min(bad)
+        raise UnreadableImage.of(image_path(dataset, first), bad[first], len(bad) - 1)
     for i, reason in sorted(bad.items()):
         path = dataset.path(i) if hasattr(dataset, "path") else f"#{i}"
         print(f"warning: skipping unreadable image {path} ({reason})", flush=True)
@@ -207,23 +238,20 @@ def random_resized_crops(u, height, width, scale, ratio=RRC_RATIO):
     return top, left, h, w
 
 
-_RANGES = {}
-
-
 def jitter_table(aug, device):
-    """(4, 2) float64 ranges of the jitter factors of row `aug`, made once per device (no copy a step)."""
-    if (aug, str(device)) not in _RANGES:
-        jitter = AUGMENTATIONS[aug][1]
-        table = jitter_ranges(jitter) if jitter else [(1.0, 1.0)] * 3 + [(0.0, 0.0)]
-        _RANGES[aug, str(device)] = torch.tensor(table, dtype=torch.float64, device=device)
-    return _RANGES[aug, str(device)]
+    """(4, 2) float64 ranges of the jitter factors of Table 2 row `aug`, on `device`. Made before the compiled
+    view is called, once an epoch: a cache read inside the compiled function would fail its guard and compile
+    the view a second time."""
+    jitter = AUGMENTATIONS[aug][1]
+    table = jitter_ranges(jitter) if jitter else [(1.0, 1.0)] * 3 + [(0.0, 0.0)]
+    return torch.tensor(table, dtype=torch.float64, device=device)
 
 
-def photometric_params(u, aug):
+def photometric_params(u, aug, ranges):
     """The photometric parameters of Table 2 row `aug` for a batch (sce.augment.draw_photometric's
-    meaning, by name as sce.device_augment.photometric reads them), from uniforms u (N, 13)."""
+    meaning, by name as sce.device_augment.photometric reads them), from uniforms u (N, 13) and the
+    row's jitter_table."""
     p_jitter, jitter, p_gray, p_blur, p_solarize = AUGMENTATIONS[aug]
-    ranges = jitter_table(aug, u.device)
     blur = u[:, 9] < p_blur
     return dict(jitter=u[:, 0] < p_jitter, order=u[:, 1:5].argsort(dim=1),
                 factors=(ranges[:, 0] + (ranges[:, 1] - ranges[:, 0]) * u[:, 5:9]).float(),
@@ -259,27 +287,28 @@ def crop_resize_flip(images, top, left, height, width, out, flip):
 
 # ---------------------------------------------------------------- pretraining views
 
-def pretrain_view(images, u, aug, size, scale, stats, dtype, memory_format):
+def pretrain_view(images, u, aug, ranges, size, scale, stats, dtype, memory_format):
     """One view of a batch: uint8 images (N, 3, H, W) and their uniforms (N, VIEW_DRAWS) -> the
-    normalised view (N, 3, size, size): random resized crop, flip, photometric ops of row `aug`."""
+    normalised view (N, 3, size, size): random resized crop, flip, photometric ops of row `aug`
+    (ranges: its jitter_table)."""
     top, left, h, w = random_resized_crops(u, images.shape[-2], images.shape[-1], scale)
     flip = u[:, 2 * RRC_ATTEMPTS + 2] < 0.5
     x = crop_resize_flip(images.float() / 255, top, left, h, w, size, flip)
     if any(AUGMENTATIONS[aug][i] for i in (0, 2, 3, 4)):  # a weak view has no photometric op
-        x = photometric(x, photometric_params(u[:, 2 * RRC_ATTEMPTS + 3:], aug))
+        x = photometric(x, photometric_params(u[:, 2 * RRC_ATTEMPTS + 3:], aug, ranges))
     return normalize(x, *stats, dtype, memory_format)
 
 
 class PreloadedViews:
     """This rank's batches of the sampler's epoch from preloaded images, as DeviceViews yields the
     loader's: (views on the device, no unreadable images, no reasons). `views`: the sce.augment.MultiView
-    of the run (each View's row of Table 2, size and scale). On CUDA the view ops are compiled."""
+    of the run (each View's row of Table 2, size and scale). compile: each view's ops compiled (--compile)."""
 
-    def __init__(self, images, views, sampler, seed, dtype=None, channels_last=False, compile=None):
+    def __init__(self, images, views, sampler, seed, dtype=None, channels_last=False, compile=False):
         self.images, self.specs, self.sampler, self.seed = images, views.transforms, sampler, seed
         self.dtype = dtype or torch.float32
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.compile = images.images.is_cuda if compile is None else compile
+        self.compile = compile
         self.wait_s = 0.0  # no loader to wait for
         self.dataset = images
 
@@ -290,10 +319,12 @@ class PreloadedViews:
         per_rank = self.sampler.batch // self.sampler.world
         no_bad = torch.full((per_rank,), -1)
         stats = normalize_stats(device)
+        ranges = [jitter_table(spec.aug, device) for spec in self.specs]
         for index in order.view(-1, per_rank):
             images, rows = self.images.images[index], table[index]
             views = [run_compiled(pretrain_view, images, rows[:, k * VIEW_DRAWS:(k + 1) * VIEW_DRAWS], spec.aug,
-                                  spec.size, spec.scale, stats, self.dtype, self.memory_format, compile=self.compile)
+                                  ranges[k], spec.size, spec.scale, stats, self.dtype, self.memory_format,
+                                  compile=self.compile)
                      for k, spec in enumerate(self.specs)]
             yield views, no_bad, [""] * per_rank
 

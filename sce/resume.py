@@ -27,6 +27,10 @@ def find_resume(args):
         return None
     if args.resume == "auto":
         return last if os.path.exists(last) else None
+    # another run's checkpoint (not one of this folder's): its saves would replace the folder's run
+    if os.path.exists(last) and os.path.dirname(os.path.realpath(args.resume)) != os.path.realpath(args.output_dir):
+        raise UserError(f"{last} exists and resuming {args.resume} there would overwrite it: use --resume auto "
+                        "to continue the run in that folder, or another --output-dir")
     return args.resume
 
 
@@ -49,17 +53,24 @@ def prepare_output_dir(path):
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_test{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
+        try:  # data, not an empty file (an inode, which a full disk still has), down to the disk
+            with open(probe, "wb") as f:
+                f.write(bytes(64 * 1024))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if os.path.exists(probe):
+                os.remove(probe)
     except OSError as e:
         raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
 
 
-def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step):
-    """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position."""
+def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, num_images=None):
+    """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position
+    (and the dataset's size, which a mid-epoch position depends on)."""
     return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
-            "args": vars(args), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler else None,
+            "num_images": num_images, "args": vars(args), "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
@@ -80,7 +91,22 @@ def as_typed(value):
     return value
 
 
-def resume(args, model, optimizer, scaler, rank):
+def check_mid_epoch(path, ckpt, args, num_images):
+    """Steps done in the epoch are skipped from the order of (seed, epoch, dataset size, batch): the
+    same order is needed, else images repeat or are skipped. Checkpoints without the size skip its check."""
+    saved = ckpt["args"]
+    if saved.get("batch_size") != args.batch_size:
+        raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
+                        f"same batch (not {args.batch_size}), or from an epoch-end checkpoint")
+    if saved.get("seed", args.seed) != args.seed:
+        raise UserError(f"{path} stopped mid-epoch with --seed {saved.get('seed')}: resume it with the same seed "
+                        f"(not {args.seed}), or from an epoch-end checkpoint")
+    if None not in (ckpt.get("num_images"), num_images) and ckpt["num_images"] != num_images:
+        raise UserError(f"{path} stopped mid-epoch on {ckpt['num_images']} images: resume it on the same data "
+                        f"(not {num_images} images), or from an epoch-end checkpoint")
+
+
+def resume(args, model, optimizer, scaler, rank, num_images=None):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from."""
     path = find_resume(args)
     if not path:
@@ -94,9 +120,8 @@ def resume(args, model, optimizer, scaler, rank):
             flag = "--" + key.rstrip("_").replace("_", "-")
             raise UserError(f"{path} was trained with {flag} {as_typed(effective(saved, key))}, not "
                             f"{as_typed(effective(now, key))}: pass the same value or another --output-dir")
-    if ckpt.get("step_in_epoch") and saved.get("batch_size") != args.batch_size:
-        raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
-                        f"same batch (not {args.batch_size}), or from an epoch-end checkpoint")
+    if ckpt.get("step_in_epoch"):
+        check_mid_epoch(path, ckpt, args, num_images)
     model.load_state_dict(ckpt["model"])
     load_optimizer_state(optimizer, ckpt["optimizer"])
     if scaler and ckpt.get("scaler"):

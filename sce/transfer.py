@@ -1,5 +1,5 @@
 """Frozen-feature transfer: VOC2007 reader, the many-shot logistic regression (ssl-transfer
-protocol) and the low-shot LinearSVC helpers (PCL protocol). Features come from sce.cli.split_features."""
+protocol) and the low-shot LinearSVC helpers (PCL protocol). Features come from sce.knn.split_features."""
 import hashlib
 import os
 import warnings
@@ -8,7 +8,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from sce import UserError
-from sce.loader import load_rgb, read_encoded
+from sce.datasets import load_rgb, read_encoded
 from sce.metrics import average_precision, mean_average_precision, mean_per_class_accuracy, top1_accuracy
 
 VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -85,7 +85,7 @@ def read_voc07(root, split):
 
 class ImageList(Dataset):
     """Images from a list of paths with their targets (any array indexed by image). encoded: JPEGs come
-    encoded for the device's decoder (sce.loader.read_encoded; sce.device_decode.DecodedEval transforms)."""
+    encoded for the device's decoder (sce.datasets.read_encoded; sce.device_decode.DecodedEval transforms)."""
 
     def __init__(self, paths, targets, transform=None, encoded=False):
         self.paths, self.targets, self.transform, self.encoded = paths, targets, transform, encoded

@@ -2,7 +2,10 @@
 pretraining run learned."""
 import json
 import math
+import multiprocessing
 import os
+import pathlib
+import signal
 import subprocess
 import sys
 
@@ -38,6 +41,56 @@ def write_imagefolder(root, num_classes=3, per_class=8, size=32, splits=("train"
     return str(root)
 
 
+def write_cifar(root, num_classes=10, per_batch=4, seed=0):
+    """CIFAR python batches in the release's layout (cifar-10-batches-py/ or cifar-100-python/ under root), with
+    its meta file, `per_batch` images a batch file; returns the folder."""
+    import pickle
+    rng = np.random.default_rng(seed)
+    folder, names, key, meta = (("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
+                                 "labels", ("batches.meta", "label_names")) if num_classes == 10 else
+                                ("cifar-100-python", ["train", "test"], "fine_labels", ("meta", "fine_label_names")))
+    os.makedirs(os.path.join(root, folder))
+    for name in names:
+        with open(os.path.join(root, folder, name), "wb") as f:
+            pickle.dump({"data": rng.integers(0, 255, (per_batch, 3072), dtype=np.uint8),
+                         key: [i % num_classes for i in range(per_batch)]}, f)
+    with open(os.path.join(root, folder, meta[0]), "wb") as f:
+        pickle.dump({meta[1]: [f"class{i}" for i in range(num_classes)]}, f)
+    return pathlib.Path(root, folder)
+
+
+def write_stl10(root, train=8, test=4, unlabeled=8, seed=0):
+    """STL10's binaries (stl10_binary/ under root): 3x96x96 uint8 images stored column-major, labels 1-10."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, "stl10_binary")
+    os.makedirs(folder)
+    for split, n in [("train", train), ("test", test), ("unlabeled", unlabeled)]:
+        rng.integers(0, 255, n * 3 * 96 * 96, dtype=np.uint8).tofile(os.path.join(folder, f"{split}_X.bin"))
+        if split != "unlabeled":
+            (np.arange(n) % 10 + 1).astype(np.uint8).tofile(os.path.join(folder, f"{split}_y.bin"))
+    return folder
+
+
+def write_tiny_imagenet(root, per_class=8,
+                        val=((1, "n02"), (2, "n03"), (2, "n03"), (1, "n02"), (2, "n02"), (1, "n03"))):
+    """Tiny-ImageNet's layout: train/<wnid>/images/*.JPEG, val/images/*.JPEG and val/val_annotations.txt
+    (file, wnid, box); val: (class pictured, wnid annotated), the last two wrong, so that kNN is not 100%.
+    No val image of the first class: a reader that labels val by folder gets 0s."""
+    rng = np.random.default_rng(0)
+    for c, wnid in enumerate(["n01", "n02", "n03"]):
+        os.makedirs(os.path.join(root, "train", wnid, "images"))
+        for i in range(per_class):
+            Image.fromarray(class_image(c, rng, 16)).save(os.path.join(root, "train", wnid, "images",
+                                                                         f"{wnid}_{i}.JPEG"), quality=95)
+    os.makedirs(os.path.join(root, "val", "images"))
+    with open(os.path.join(root, "val", "val_annotations.txt"), "w") as f:
+        for i, (pictured, wnid) in enumerate(val):
+            Image.fromarray(class_image(pictured, rng, 16)).save(
+                os.path.join(root, "val", "images", f"val_{i}.JPEG"), quality=95)
+            f.write(f"val_{i}.JPEG\t{wnid}\t0\t0\t10\t10\n")
+    return str(root)
+
+
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -66,9 +119,9 @@ def assert_trained(output_dir):
         assert epochs[0]["loss"] != epochs[-1]["loss"], epochs
 
 
-def sends_signal_at(signum, step):
-    """A main_pretrain.build_criterion whose loss sends `signum` to this process during step `step`
-    (1-based): a preemption at a known step, for in-process resume tests."""
+def loss_hook(hook):
+    """A main_pretrain.build_criterion whose loss goes through hook(call, loss), call counting the criterion's
+    calls from 1 (one a step in an asymmetric run): a fault injected at a known step."""
     import main_pretrain
     real, calls = main_pretrain.build_criterion, [0]
 
@@ -77,11 +130,19 @@ def sends_signal_at(signum, step):
 
         def loss(*a, **k):
             calls[0] += 1
-            if calls[0] == step:
-                os.kill(os.getpid(), signum)
-            return criterion(*a, **k)
+            return hook(calls[0], criterion(*a, **k))
         return loss
     return build
+
+
+def sends_signal_at(signum, step):
+    """The loss sends `signum` to this process during step `step`: a preemption, for in-process resume tests."""
+    return loss_hook(lambda call, loss: os.kill(os.getpid(), signum) or loss if call == step else loss)
+
+
+def nan_losses(steps):
+    """The loss is NaN at the given steps."""
+    return loss_hook(lambda call, loss: loss * float("nan") if call in steps else loss)
 
 
 def assert_mid_epoch_resume_is_exact(args, tmp_path, monkeypatch, signal_step=3):
@@ -118,9 +179,10 @@ def no_triton(module, *args, **kwargs):
     raise RuntimeError("Cannot find a working triton installation")
 
 
-def run_script(args, cwd=REPO, timeout=300, env=None, check=True):
-    """Run `python <args>` (or `torchrun` when args[0] == 'torchrun') from the repo root."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+def run_script(args, cwd=REPO, timeout=300, env=None, check=True, threads=1):
+    """Run `python <args>` (or `torchrun` when args[0] == 'torchrun') from the repo root, with `threads` intra-op
+    threads a process (2: a lone process takes both cores)."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), **(env or {}))
     if args[0] == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run"] + args[1:]
     else:
@@ -129,6 +191,27 @@ def run_script(args, cwd=REPO, timeout=300, env=None, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+@pytest.fixture
+def in_process():
+    """For tests that run the scripts in this process: one intra-op thread like the subprocesses (two on 2 busy
+    cores run ~10x slower), pytest's signal handlers back after a pretraining run installed the preemption
+    ones, and the workers of a loader stopped by an error ended (its iterator waits for the garbage collector,
+    whose shutdown then joins each worker for 5 s)."""
+    threads, saved = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+    workers = multiprocessing.active_children()
+    torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # it would raise "worker killed" in a later test
+    for p in workers:
+        p.kill()
+    for p in workers:
+        p.join(10)
+    signal.signal(signal.SIGCHLD, torch_handler)
 
 
 @pytest.fixture

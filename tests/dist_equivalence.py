@@ -18,9 +18,10 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from sce import distributed as du, losses  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE, momentum_at  # noqa: E402
+from sce.datasets import build_dataset  # noqa: E402
 from sce.device_augment import DeviceViews  # noqa: E402
 from sce.engine import Training, train_step  # noqa: E402
-from sce.loader import ResumableSampler, build_dataset, pretrain_loader  # noqa: E402
+from sce.loader import ResumableSampler, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 
 data, out = sys.argv[1], sys.argv[2]
@@ -34,7 +35,9 @@ views = MultiView([View("weak", 16), View("strong", 16)])
 loader = pretrain_loader(dataset, views, sampler, global_batch // world, 0, device, seed=0)
 bn_splits = 2 if world == 1 else 1  # as main_pretrain.py's check_world: several ranks shuffle for real
 # a projector without BN: a BN over a chunk's 4 feature vectors has so small a variance that float
-# rounding (1e-7) grows into gradients 10% apart within 3 steps, between any two runs; the trunk's BN remain
+# rounding grows into gradients 10% apart within 3 steps, between any two runs; the trunk's BN remain. In
+# float64: the two runs sum in different orders, and fp32's rounding (1e-7) grows to ~1e-4 by the 4th step
+torch.set_default_dtype(torch.float64)
 model = SCE(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [], 16, "none",
             queue_size=24, shuffle_bn=True, bn_splits=bn_splits)
 ddp = du.wrap_ddp(model, device) if world > 1 else model
@@ -43,7 +46,7 @@ ddp.train()
 total, step, step_losses = epochs * sampler.steps, 0, []
 for epoch in range(epochs):
     sampler.set_epoch(epoch)
-    for x, _, _ in DeviceViews(loader, device):
+    for x, _, _ in DeviceViews(loader, device, torch.float64):
         set_lr(t.optimizer, cosine_lr(step, total, base_lr, warmup_steps=1))
         loss, finite, _ = train_step(t, x, momentum_at(step, total, 0.9))
         assert bool(finite)

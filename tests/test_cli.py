@@ -12,6 +12,8 @@ import torch
 
 from conftest import REPO, run_script
 from sce import cli
+from sce.knn import split_features
+from sce.progress import Progress, format_eta
 
 SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "main_*.py")))
 
@@ -146,11 +148,11 @@ def test_user_error_under_torchrun_is_one_line_and_named_in_summary(tmp_path):
 
 
 def test_progress_lines():
-    progress = cli.Progress(100)
+    progress = Progress(100)
     assert progress.report().startswith("0/100 images") and progress.report().endswith("ETA ?")
     progress.update(40)
     assert re.fullmatch(r"40/100 images, \d+ images/s, ETA \d+:\d\d:\d\d", progress.report())
-    assert cli.format_eta(3725.9) == "1:02:05"
+    assert format_eta(3725.9) == "1:02:05"
 
 
 class Images(torch.utils.data.Dataset):
@@ -171,7 +173,7 @@ def test_split_features_cache(tmp_path, capsys):
     device = torch.device("cpu")
 
     def feats(transform=1.0, **kw):
-        x = cli.split_features(trunk, Images(transform), "train", str(tmp_path), device, checkpoint=str(ckpt),
+        x = split_features(trunk, Images(transform), "train", str(tmp_path), device, checkpoint=str(ckpt),
                                batch_size=4, **kw)
         return x, capsys.readouterr().out
 
@@ -179,9 +181,41 @@ def test_split_features_cache(tmp_path, capsys):
     assert np.allclose(first, trunk(Images(1.0).x).detach().numpy(), atol=1e-6) and "6/6 images" in out
     again, out = feats(arch="a")
     assert "features read from" in out and np.array_equal(again, first)
-    for changed in [dict(transform=2.0, arch="a"), dict(arch="b"), dict(arch="a", amp="bf16")]:
+    for changed in [dict(transform=2.0, arch="a"), dict(arch="b"), dict(arch="a", amp_dtype=torch.bfloat16)]:
         assert "features read from" not in feats(**changed)[1], changed
     os.utime(ckpt, ns=(0, 0))  # another checkpoint file at the same path
     assert "features read from" not in feats(arch="a")[1]
     cache = [f for f in os.listdir(tmp_path) if f.startswith("features_train_")]
     assert len(cache) == 5
+
+
+FLOORS = [["builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling", "progress", "metrics"],
+          ["datasets", "loader", "augment", "device_decode", "device_augment", "preload"],
+          ["engine", "epoch", "resume", "knn", "evaldata", "transfer", "preview", "cli"]]
+
+
+def test_sce_modules_import_only_from_their_floor_or_below():
+    """The README's layout: primitives, data path, orchestration; no module imports a floor above its own, and
+    within a floor imports form no cycle."""
+    floor = {m: i for i, names in enumerate(FLOORS) for m in names}
+    modules = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "sce", "*.py")))
+    assert set(modules) - {"__init__"} == set(floor), "a module of sce/ is missing from the README's floors"
+    imports = {}
+    for m in floor:
+        tree = ast.parse(open(os.path.join(REPO, "sce", f"{m}.py")).read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "sce":
+                found |= {a.name for a in node.names if a.name in floor}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sce."):
+                found.add(node.module.split(".")[1])
+        imports[m] = found - {m}
+        above = [d for d in imports[m] if floor[d] > floor[m]]
+        assert not above, f"sce/{m}.py imports {above} from a floor above its own"
+
+    def reach(m, seen=()):
+        assert m not in seen, "import cycle: " + " -> ".join(seen + (m,))
+        for d in imports[m]:
+            reach(d, seen + (m,))
+    for m in floor:
+        reach(m)

@@ -363,6 +363,30 @@ def import_train_torchvision():
         sys.path.remove(DET)
 
 
+@pytest.mark.parametrize("size", [37, 40])
+def test_epoch_sampler_shares_are_disjoint_equal_and_resume_exactly(size):
+    """On 1 to 8 ranks: each rank's (index, flip) pairs are its own, every rank takes as many, together they
+    cover the epoch but the remainder (< ranks), and a share resumed after `skip` steps is the rest of it."""
+    sampler = import_train_torchvision().EpochSampler
+    for world in range(1, 9):
+        shares = []
+        for rank in range(world):
+            s = sampler(size, seed=3, rank=rank, world=world)
+            s.epoch = 2
+            shares.append(list(s))
+            assert len(shares[-1]) == len(s) == size // world
+            s.skip = 2  # resumed after 2 steps of this epoch
+            assert list(s) == shares[-1][2:] and len(s) == size // world - 2
+        indices = [i for share in shares for i, _ in share]
+        assert len(set(indices)) == len(indices) == size - size % world  # disjoint; only the remainder left out
+        one = sampler(size, seed=3, rank=0, world=1)
+        one.epoch = 2
+        flip = dict(list(one))
+        assert all(flip[i] == f for share in shares for i, f in share)  # the flips follow the image, any world
+    other = sampler(size, seed=3, rank=0, world=1)
+    assert list(other) != list(one)  # another epoch, another order
+
+
 def test_coco_evaluation_of_perfect_and_mislabelled_detections(coco):
     tt = import_train_torchvision()
     dataset = tt.CocoInstances(os.path.join(coco, "images"), os.path.join(coco, "ann.json"), train=False)

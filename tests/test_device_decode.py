@@ -10,8 +10,9 @@ from PIL import Image
 
 from sce import device_decode
 from sce.augment import Encoded, MultiView, View, crop_geometry
+from sce.datasets import build_dataset, load_rgb_tensor, read_encoded, read_header
 from sce.device_augment import views_to_device
-from sce.loader import PretrainDataset, build_dataset, collate_views, load_rgb_tensor, read_encoded, read_header
+from sce.loader import PretrainDataset, collate_views
 
 KINDS = {  # file name -> (PIL mode, save options); the first three go to the device's decoder
     "baseline.jpg": ("RGB", {"quality": 90}), "full_chroma.jpg": ("RGB", {"quality": 90, "subsampling": 0}),
@@ -163,7 +164,7 @@ def test_evaluation_features_and_linear_probe_decoded_on_the_device(mixed, tmp_p
     import json
     import main_lincls
     from sce.builder import build_trunk
-    from sce.cli import split_features
+    from sce.knn import split_features
     from sce.loader import eval_transform
     from sce.transfer import ImageList
     torch.manual_seed(0)

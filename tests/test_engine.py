@@ -3,14 +3,16 @@ keeps the checkpoint keys and the eager step's numbers, the benchmark reports wh
 resume says when it cannot restore the CUDA random state."""
 import functools
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, assert_same_state, fake_compile
-from sce import UserError, losses
+from conftest import REPO, assert_same_state, fake_compile, write_imagefolder
+from sce import UserError, compiling, device_augment, losses
 from sce.builder import SCE
 from sce.engine import (CompileFallback, Training, check_compile, compile_model, compile_trunk, resolve_compile,
                         train_step)
@@ -62,23 +64,29 @@ def test_guard_undoes_a_nonfinite_step_exactly(optimizer, scaler):
     assert not torch.equal(before["encoder.conv1.weight"], t.model.state_dict()["encoder.conv1.weight"])
 
 
-def test_step_terms_are_those_of_its_pair_in_the_loss_precision():
+@pytest.mark.parametrize("method", ["sce", "moco", "ressl"])
+def test_loss_and_terms_run_in_fp32_under_amp(method):
+    """--amp bf16 covers the trunk and the heads; the criterion and the logged terms of eq. 10 get fp32
+    embeddings and run with autocast off: the numbers of sce.losses' fp32 functions on those embeddings
+    (under bf16 autocast the similarities would lose ~3 digits)."""
+    criterion = {"sce": losses.sce_loss, "moco": losses.infonce_loss, "ressl": losses.ressl_loss}[method]
     seen = []
 
     def terms(q, k, queue):
         seen.append((q, k, queue, torch.is_autocast_enabled("cpu")))
         return losses.loss_terms(q, k, queue)
     for amp in (None, torch.bfloat16):
-        t = make_training()
+        t = make_training(criterion=criterion)
         t.amp_dtype, t.terms = amp, terms
         queue = t.model.queue.clone()
         loss, _, logged = train_step(t, views(0), 0.9)
         q, k, queue_seen, autocast = seen.pop()
-        assert autocast == (amp is not None) and torch.equal(queue_seen, queue)  # the queue before the keys
-        if amp is None:  # one pair: the loss is eq. 9, whose terms are those of its own q, k
-            expected = losses.loss_terms(q, k, queue)
-            assert all(torch.equal(logged[n], expected[n]) for n in expected)
-            assert loss.item() == pytest.approx(losses.sce_loss(q, k, queue).item(), rel=1e-6)
+        assert not autocast and torch.equal(queue_seen, queue)  # the queue before the keys
+        assert q.dtype == k.dtype == torch.float32
+        # one pair: the loss is its criterion's, the terms those of its own q, k, all in fp32
+        assert loss.item() == pytest.approx(criterion(q, k, queue).item(), rel=1e-6, abs=1e-7)
+        expected = losses.loss_terms(q, k, queue)
+        assert all(logged[n].item() == pytest.approx(expected[n].item(), rel=1e-6, abs=1e-7) for n in expected)
 
 
 def test_first_step_skipped_leaves_zero_momentum():
@@ -125,9 +133,9 @@ def test_compile_keeps_checkpoint_keys():
     keys = list(t.model.state_dict())
     compile_model(t.model)  # compiles lazily: nothing runs here
     assert list(t.model.state_dict()) == keys
-    compiled = [t.model.encoder, t.model.projector, t.model.predictor, t.model.momentum_encoder,
-                t.model.momentum_projector]
+    compiled = [t.model.encoder, t.model.projector, t.model.momentum_encoder, t.model.momentum_projector]
     assert all(m._compiled_call_impl is not None for m in compiled)
+    assert t.model.predictor._compiled_call_impl is None  # the Identity: no parameters, no graph
 
 
 def test_compile_without_a_compiler_is_one_line(monkeypatch):
@@ -150,7 +158,7 @@ def test_benchmark_reports_every_measurement(tmp_path):
     assert all(r["loader_images_per_s"] > 0 and r["workers"] == 0 for r in data.values())
     step = [r for r in lines if r["what"] == "train_step"]
     assert len(step) == 1 and step[0]["images_per_s"] > 0 and step[0]["step_ms_without_guard"] > 0
-    assert step[0]["host_step_ms"] > 0
+    assert step[0]["host_step_ms"] > 0 and step[0]["criterion_ms"] > 0 and 0 < step[0]["criterion_share"] < 1
     assert -1 < step[0]["guard_share"] < 1  # the difference of two timings: noise can make it negative
     ends = {(r["augment"], r["workers"]): r for r in lines if r["what"] == "end_to_end"}
     # --e2e-workers 1: gpu and decode again with a worker process; --preload: from images kept on the device
@@ -322,3 +330,70 @@ def test_compiled_trunk_keeps_its_keys(monkeypatch):
     with torch.no_grad():
         compile_trunk(trunk)(torch.zeros(1, 3, 32, 32))
     assert calls == [trunk]
+
+
+# ---------------------------------------------------------------- what compiles, and when
+
+def count_compiles(monkeypatch):
+    """Every torch.compile routed to dynamo's eager backend (no code generation: seconds, not minutes, on a
+    CPU), each graph it compiles counted; returns the list of their sizes."""
+    graphs, real = [], torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def compile(fn=None, *args, **kwargs):
+        return real(fn, *args, **dict(kwargs, backend=backend))
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", compile)
+    monkeypatch.setattr(device_augment, "COMPILED", {})
+    monkeypatch.setattr(compiling, "SECONDS", [])
+    return graphs
+
+
+CIFAR_RECIPE = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
+                "--shuffle-bn", "--bn-splits", "2", "--proj-hidden-dims", "32", "--proj-dim", "16", "--proj-last-bn",
+                "none", "--preload", "device", "--workers", "0", "--knn-every", "0", "--print-freq", "1"]
+
+
+def test_preloaded_recipe_compiles_each_graph_once_in_the_first_step(tmp_path, monkeypatch, capsys):
+    """RECIPES.md's CIFAR-10 setting, preloaded, --compile: over 2 epochs every module and each view compile
+    once, all in the first step (a graph compiled later is a recompile, which inside a CUDA graph's capture
+    fails); --no-compile compiles nothing at all, the views included."""
+    import main_pretrain
+    data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=8, size=20, splits=("",))
+    graphs = count_compiles(monkeypatch)
+    torch.set_num_threads(1)
+    main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "on"), "--epochs", "2", "--compile"]
+                       + CIFAR_RECIPE)
+    compiled = sorted(name for name, _ in compiling.SECONDS)
+    # the Identity predictor has no graph; the weak and the strong view one each
+    assert compiled == ["encoder", "momentum_encoder", "momentum_projector", "pretrain_view", "pretrain_view",
+                        "projector"]
+    assert len(graphs) == 6  # nothing compiled outside them
+    out = capsys.readouterr().out
+    assert re.search(r"=> the first step took [\d.]+ s, compiling \(each compile: pretrain_view [\d.]+ s, "
+                     r"pretrain_view [\d.]+ s, momentum_encoder", out)
+    assert "=> data: preloaded on cpu (0 MiB); views: on cpu, compiled; step: compiled; amp none\n" in out
+    main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "off"), "--epochs", "1", "--no-compile"]
+                       + CIFAR_RECIPE)
+    assert len(graphs) == 6
+    assert "=> data: preloaded on cpu (0 MiB); views: on cpu; step: eager; amp none\n" in capsys.readouterr().out
+
+
+def test_benchmark_times_no_compile_and_reports_its_rows(tmp_path):
+    """bench_pretrain.py --compile (dynamo's eager backend) on the CIFAR setting: with 1 warm-up step no graph
+    compiles in a timed step (the benchmark stops if one does), and its rows come out."""
+    wrapper = ("import runpy, sys, torch; real = torch.compile; "
+               "torch.compile = lambda fn=None, *a, **k: real(fn, *a, **dict(k, backend='eager')); "
+               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    cmd = [sys.executable, "-c", wrapper, "benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0",
+           "--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8",
+           "--proj-hidden-dims", "16", "--steps", "1", "--warmup", "1", "--preload", "--shuffle-bn", "--bn-splits", "2",
+           "--skip-data", "--compile"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {json.loads(line)["what"] for line in proc.stdout.splitlines() if line.startswith("{")}
+    assert {"train_step", "end_to_end"} <= rows

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from conftest import fake_compile, no_triton, run_script, write_imagefolder
 from sce import UserError
 from sce.checkpoint import load, load_trunk, trunk_state_dict
+from sce.datasets import build_dataset
 from sce.knn import knn_scores
-from sce.loader import build_dataset, eval_transform
+from sce.loader import eval_transform
 from sce.metrics import average_precision_11point, top1_accuracy
 from sce.transfer import select_logreg
 

@@ -9,12 +9,12 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 from PIL import Image
 
-from conftest import write_imagefolder
+from conftest import write_cifar, write_imagefolder
 from sce import UserError
 from sce.augment import MultiView, View
-import sce.loader
-from sce.loader import (WORKER_NICENESS, PretrainDataset, ResumableSampler, build_dataset, init_pretrain_worker,
-                        load_rgb, load_rgb_tensor, sample_seed)
+import sce.datasets
+from sce.datasets import build_dataset, load_rgb, load_rgb_tensor
+from sce.loader import WORKER_NICENESS, PretrainDataset, ResumableSampler, init_pretrain_worker, sample_seed
 
 
 def test_views_are_a_function_of_seed_epoch_index(imagefolder):
@@ -49,22 +49,6 @@ def test_sampler_ranks_partition_the_global_batches():
     assert [i for _, i in other] != [i for _, i in single] and {e for e, _ in other} == {1}
 
 
-def write_cifar(root, num_classes=10, per_batch=4, seed=0):
-    """CIFAR python batches in the release's layout, with its meta file, a few images each."""
-    rng = np.random.default_rng(seed)
-    folder, names, key, meta = (("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
-                                 "labels", ("batches.meta", "label_names")) if num_classes == 10 else
-                                ("cifar-100-python", ["train", "test"], "fine_labels", ("meta", "fine_label_names")))
-    os.makedirs(root / folder)
-    for name in names:
-        with open(root / folder / name, "wb") as f:
-            pickle.dump({"data": rng.integers(0, 255, (per_batch, 3072), dtype=np.uint8),
-                         key: [i % num_classes for i in range(per_batch)]}, f)
-    with open(root / folder / meta[0], "wb") as f:
-        pickle.dump({meta[1]: [f"class{i}" for i in range(num_classes)]}, f)
-    return root / folder
-
-
 def test_cifar_batches(tmp_path):
     folder = write_cifar(tmp_path)
     train = build_dataset("cifar10", str(tmp_path), "train")
@@ -82,7 +66,8 @@ def test_cifar_batches(tmp_path):
     hundred = write_cifar(tmp_path / "c100", num_classes=100, per_batch=3)
     assert build_dataset("cifar100", str(tmp_path / "c100"), "val").targets == [0, 1, 2]
     (hundred / "test").write_bytes(b"not a pickle")
-    with pytest.raises(UserError, match=r"cifar-100-python does not hold readable CIFAR100 files") as info:
+    with pytest.raises(UserError, match=r"cifar-100-python/test does not unpickle \(.*\): it is cut short or "
+                                         r"damaged: download CIFAR100 again") as info:
         build_dataset("cifar100", str(tmp_path / "c100"), "val")
     assert "\n" not in str(info.value)
 
@@ -101,6 +86,15 @@ def test_stl10_binaries(tmp_path):
     img, _ = build_dataset("stl10", str(tmp_path), "train")[0]
     assert np.array_equal(np.asarray(img)[:, :, 2], raw[2].T)  # stored column-major
     assert len(build_dataset("stl10", str(tmp_path), "val")) == 2
+    with open(root / "unlabeled_X.bin", "ab") as f:  # a partial download: half an image more
+        f.write(bytes(3 * 96 * 48))
+    with pytest.raises(UserError, match=r"unlabeled_X.bin is cut short \(\d+ bytes, not whole 3x96x96 images\): "
+                                         "download STL10 again"):
+        build_dataset("stl10", str(tmp_path), "pretrain")
+    rng.integers(0, 255, 5 * 3 * 96 * 96, dtype=np.uint8).tofile(root / "unlabeled_X.bin")
+    rng.integers(0, 255, 1 * 3 * 96 * 96, dtype=np.uint8).tofile(root / "test_X.bin")  # 1 image, 2 labels
+    with pytest.raises(UserError, match=r"test_X.bin holds 1 images for the 2 labels of test_y.bin"):
+        build_dataset("stl10", str(tmp_path), "val")
     (root / "test_y.bin").unlink()
     with pytest.raises(UserError, match=r"stl10_binary/test_y.bin not found: STL10 needs"):
         build_dataset("stl10", str(tmp_path), "train")
@@ -153,10 +147,10 @@ def test_tensor_loader_reads_every_mode_as_pil_does(tmp_path, monkeypatch):
              "rgba.png": (photo.convert("RGBA"), {}), "deep.png": (deep, {})}
     for name, (img, options) in files.items():
         img.save(tmp_path / name, **options)
-    decoded, decode_jpeg = [], sce.loader.decode_jpeg
+    decoded, decode_jpeg = [], sce.datasets.decode_jpeg
     if decode_jpeg is None:
         pytest.skip("this torchvision has no JPEG decoder: load_rgb_tensor reads with PIL")
-    monkeypatch.setattr(sce.loader, "decode_jpeg", lambda *a, **k: decoded.append(1) or decode_jpeg(*a, **k))
+    monkeypatch.setattr(sce.datasets, "decode_jpeg", lambda *a, **k: decoded.append(1) or decode_jpeg(*a, **k))
     for name in files:
         before = len(decoded)
         tensor = load_rgb_tensor(str(tmp_path / name))

@@ -113,7 +113,7 @@ def test_cv_selection_reuses_cached_features(contract_run, pretrained, voc, tmp_
     assert draw["cost"] == float(max(draw["cv_map"], key=draw["cv_map"].get))  # best cross-validated cost
     assert res["maps"] == [draw["map"]]
     # 2 cv fits per class and cost, then one test fit per class
-    assert draw["svm_fits"] == 20 * (2 * 2 + 1) and draw["unconverged_fits"] == 0
+    assert draw["fits"] == 20 * (2 * 2 + 1) and draw["unconverged_fits"] == 0
 
 
 def test_draw_is_seeded_and_has_k_positives_per_class():
@@ -297,4 +297,4 @@ def test_cv_script_says_what_it_drops(contract_run, pretrained, voc, tmp_path, c
     assert re.search(r"test mAP \d+\.\d\d \(68 of 68 SVM fits did not converge within 1 iterations\)$", stdout, re.M)
     with open(tmp_path / "lowshot.json") as f:
         draw = json.load(f)["results"][0]["draws"][0]
-    assert draw["cv_drops"] == drops and draw["svm_fits"] == draw["unconverged_fits"] == 68
+    assert draw["cv_drops"] == drops and draw["fits"] == draw["unconverged_fits"] == 68

@@ -6,6 +6,9 @@ import functools
 import math
 import os
 import re
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,12 +16,13 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
-from conftest import assert_mid_epoch_resume_is_exact, assert_same_state, write_imagefolder
+from conftest import REPO, assert_mid_epoch_resume_is_exact, assert_same_state, write_imagefolder
 from sce import UserError, losses, preload
 from sce.augment import AUGMENTATIONS, MEAN, RRC_RATIO, STD, MultiView, View, normalize_stats, pack_params
+from sce.datasets import build_dataset, load_rgb_tensor
 from sce.device_augment import augment
 from sce.engine import GraphedStep, Training, lr_as_tensors, train_step
-from sce.loader import ResumableSampler, build_dataset, load_rgb_tensor
+from sce.loader import ResumableSampler
 from sce.optim import build_optimizer, set_lr
 
 
@@ -85,7 +89,7 @@ def loader_path_view(photos, u, aug, size, scale):
     crop and flip in the worker (sce.augment.View), packed rows, sce.device_augment.augment."""
     top, left, h, w = preload.random_resized_crops(u, photos.shape[-2], photos.shape[-1], scale)
     flip = u[:, 2 * preload.RRC_ATTEMPTS + 2] < 0.5
-    params = preload.photometric_params(u[:, 2 * preload.RRC_ATTEMPTS + 3:], aug)
+    params = preload.photometric_params(u[:, 2 * preload.RRC_ATTEMPTS + 3:], aug, preload.jitter_table(aug, "cpu"))
     crops, rows = [], []
     for n in range(len(photos)):
         crop = TF.resized_crop(photos[n], int(top[n]), int(left[n]), int(h[n]), int(w[n]), [size, size],
@@ -105,7 +109,8 @@ def to_pixels(view):
 def test_views_equal_the_loader_paths_from_the_same_parameters(photos, aug):
     u = uniforms(len(photos), preload.VIEW_DRAWS, seed=list(AUGMENTATIONS).index(aug))
     stats = normalize_stats(torch.device("cpu"))
-    got = preload.pretrain_view(photos, u, aug, 24, (0.2, 1.0), stats, torch.float32, torch.contiguous_format)
+    got = preload.pretrain_view(photos, u, aug, preload.jitter_table(aug, "cpu"), 24, (0.2, 1.0), stats, torch.float32,
+                                 torch.contiguous_format)
     expected = loader_path_view(photos, u, aug, 24, (0.2, 1.0))
     diff = (to_pixels(got) - to_pixels(expected)).abs()
     # the loader rounds its crop to uint8 (<= 0.5 level, plus its fixed-point weights); the photometric
@@ -133,14 +138,18 @@ def test_views_are_a_function_of_seed_epoch_and_index(photos):
     assert not torch.equal(one[0][1], preloaded_batches(images, 4)[0][1])  # another seed
 
 
-def test_preload_decodes_names_and_replaces_bad_images(tmp_path, capsys):
+@pytest.mark.parametrize("encoded", [False, True])
+def test_preload_decodes_names_and_replaces_bad_images(tmp_path, capsys, encoded):
+    """encoded: --decode device, whose plain JPEGs come as bytes; the bad file is then a JPEG whose header
+    reads and whose data is cut short (decoded outside the error handling, it was a traceback)."""
     root = write_imagefolder(tmp_path / "data", num_classes=2, per_class=3, size=20, splits=("",))
     Image.open(os.path.join(root, "class_0", "1.png")).save(os.path.join(root, "class_0", "1.jpg"), quality=90)
     os.remove(os.path.join(root, "class_0", "1.png"))
-    bad = os.path.join(root, "class_1", "0.png")
-    with open(bad, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n truncated")
-    dataset = build_dataset("imagefolder", root, "pretrain", as_tensor=True)
+    bad = os.path.join(root, "class_1", "0.jpg" if encoded else "0.png")
+    os.remove(os.path.join(root, "class_1", "0.png"))
+    with open(os.path.join(root, "class_0", "1.jpg"), "rb") as f, open(bad, "wb") as out:
+        out.write(f.read()[:-60] if encoded else b"\x89PNG\r\n\x1a\n truncated")
+    dataset = build_dataset("imagefolder", root, "pretrain", as_tensor=True, encoded=encoded)
     images = preload.preload(dataset, torch.device("cpu"), required=True, max_bad=1)
     out = capsys.readouterr().out
     assert f"warning: skipping unreadable image {bad} (" in out and "=> preloaded 6 images (3x20x20" in out
@@ -150,6 +159,47 @@ def test_preload_decodes_names_and_replaces_bad_images(tmp_path, capsys):
     assert images.targets.tolist() == dataset.targets
     with pytest.raises(UserError, match="1 unreadable images, more than --max-bad-images 0"):
         preload.preload(dataset, torch.device("cpu"), required=True, max_bad=0)
+
+
+class Shades(torch.utils.data.Dataset):
+    """Tiny uint8 images of one shade each (i mod 251); `failure` in a worker at image 300: 'exit' (a killed
+    worker) or 'hang' (a worker that never sends its batch, as when its sending thread dies)."""
+
+    def __init__(self, n, failure=None):
+        self.n, self.failure = n, failure
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == 300 and self.failure and torch.utils.data.get_worker_info():
+            if self.failure == "exit":
+                os._exit(3)
+            time.sleep(60)
+        return torch.full((3, 8, 8), i % 251, dtype=torch.uint8), 0
+
+
+def test_preloading_workers_send_one_descriptor_a_batch():
+    """3000 images decoded by 4 workers under `ulimit -n 128`: each batch crosses from a worker as one tensor
+    (as 256 tensors it took 256 file descriptors: 'Too many open files', or a hang)."""
+    code = ("import resource, sys, torch; sys.path[:0] = sys.argv[1:3]; from test_preload import Shades; "
+            "from sce import preload; "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+            "images = preload.preload(Shades(3000), torch.device('cpu'), required=True, workers=4); "
+            "assert torch.equal(images.images[:, 0, 0, 0], torch.arange(3000) % 251); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code, REPO, os.path.join(REPO, "tests")], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.endswith("ok\n"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("failure", ["exit", "hang"])
+def test_a_failing_preloading_worker_ends_the_run_with_one_line(monkeypatch, failure):
+    monkeypatch.setattr(preload, "BATCH_TIMEOUT_S", 3)
+    with pytest.raises(UserError) as err:
+        preload.preload(Shades(600, failure), torch.device("cpu"), required=True, workers=2, what="kNN val images")
+    message = str(err.value)
+    assert "\n" not in message and "decoding the kNN val images to preload them failed in a loader worker (" in message
+    assert "fewer --workers (now 2)" in message
 
 
 def test_what_cannot_be_preloaded_falls_back_or_stops(tmp_path, monkeypatch, capsys):

@@ -18,12 +18,13 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import (REPO, assert_same_state, assert_trained, fake_compile, load, no_triton, sends_signal_at,
-                      write_imagefolder)
+from conftest import (REPO, assert_same_state, assert_trained, fake_compile, load, nan_losses, no_triton,
+                      sends_signal_at, write_imagefolder)
 import main_pretrain
 from sce import UserError, checkpoint
 from sce.builder import SCE
-from sce.loader import ResumableSampler, build_dataset
+from sce.datasets import build_dataset
+from sce.loader import ResumableSampler
 
 TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
         "--workers", "0", "--proj-hidden-dims", "32", "--proj-dim", "16", "--print-freq", "1"]
@@ -45,16 +46,7 @@ def small(tmp_path_factory):
                              splits=("",))
 
 
-@pytest.fixture(autouse=True)
-def in_process_hygiene():
-    """One intra-op thread like the subprocesses (two threads on 2 busy cores run ~10x slower), and
-    pytest's own signal handlers back after a run installed the preemption ones."""
-    threads, saved = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
 
 def pretrain(data, out, *extra):
@@ -205,9 +197,9 @@ def test_preemption_two_ranks_resumes_exactly(data, tmp_path, jobs):
 # shuffle-BN draws from the global RNG; --amp fp16 saves and resumes a GradScaler
 @pytest.mark.parametrize("extra", [[], ["--shuffle-bn", "--bn-splits", "2", "--amp", "fp16"]])
 def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatch, extra):
-    # fp16's scaler with bf16's autocast: CPU fp16 convolution backward has no fast kernel here (11 s a
-    # step, not 0.2) and overflows at the scaler's initial scale, so every step would be skipped
-    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", torch.bfloat16)
+    # fp16's GradScaler without its autocast: CPU fp16 convolutions have no fast kernel here (11 s a step, not
+    # 0.2) and bf16 ones are ~10x slower than fp32; the scaler's state is what a resume must carry
+    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", None)
     pretrain(small, tmp_path / "ref", "--epochs", 2, *extra)
     with monkeypatch.context() as m:
         m.setattr(main_pretrain, "build_criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
@@ -322,21 +314,6 @@ def test_unreadable_image_is_logged_once_and_replaced(tmp_path, capsys, augment)
 
 # ---------------------------------------------------------------- 4. non-finite losses
 
-def nan_losses(steps):
-    """A build_criterion whose loss is NaN at the given (1-based) steps."""
-    real, calls = main_pretrain.build_criterion, [0]
-
-    def build(args, *rest):
-        criterion = real(args, *rest)
-
-        def loss(*a, **k):
-            calls[0] += 1
-            value = criterion(*a, **k)
-            return value * float("nan") if calls[0] in steps else value
-        return loss
-    return build
-
-
 @pytest.fixture
 def models(monkeypatch):
     """The SCE models main_pretrain builds, to inspect them after a run stops."""
@@ -423,7 +400,7 @@ class OverflowingGradient(torch.autograd.Function):
 def test_an_epoch_skipped_by_gradscaler_goes_on(small, tmp_path, monkeypatch, amp):
     # every step's gradients overflow while its loss is finite: with fp16's GradScaler that is the scaler
     # lowering its scale, left to --max-nonfinite-steps; without one, the epoch stops the run
-    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", torch.bfloat16)  # the scaler, without CPU fp16's slowness
+    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", None)  # the scaler, without CPU fp16 / bf16 slowness
     real = main_pretrain.build_criterion
     monkeypatch.setattr(main_pretrain, "build_criterion", lambda *a: lambda q, *r, **k: real(*a)(
         OverflowingGradient.apply(q), *r, **k))

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The small-and-medium part of the paper's baselines table (Sec. 4.2): SCE, ReSSL and MoCo v2 (the last two the
+# authors' reproductions) on CIFAR-10, CIFAR-100, STL-10 or Tiny-ImageNet, each with RECIPES.md's setting for the
+# dataset: 200 epochs of pretraining (the kNN monitor every 20 epochs and after the last: the table's kNN), then
+# the linear probe (100 epochs, lr 30, x0.1 at 60 and 80); one table beside the paper's numbers, and results.json.
+#
+#   bash benchmarks/reproduce.sh DATASET DATA_DIR [OUT_DIR]    DATASET: cifar10, cifar100, stl10 or tiny-imagenet
+#                                                               (OUT_DIR: runs/reproduce/DATASET)
+#   METHODS="sce moco" bash benchmarks/reproduce.sh ...         some of: sce ressl moco (default: all three)
+#   SMOKE=1 bash benchmarks/reproduce.sh ...                    the whole script on CPU in a minute: 1 epoch each,
+#                                                               16 px crops, a tiny head (an ImageFolder: 26 train
+#                                                               and 10 val images a class)
+#   DRY_RUN=1 bash benchmarks/reproduce.sh ...                  check DATA_DIR, print each stage's command, run none
+# DATA_DIR: the official download (cifar-10-batches-py/, cifar-100-python/, stl10_binary/, tiny-imagenet-200/
+# with val/val_annotations.txt), that folder itself, or for CIFAR train/ and val/ class folders of image files.
+# STL-10 pretrains on train + unlabeled (105,000 images) and its linear probe trains on train (5,000).
+# After the first method's first epoch, a line per stage gives its estimated time on this machine. Interrupted
+# (SIGTERM, SIGINT, SIGUSR1: the running stage saves and stops), the same command continues where it stopped.
+# On a GPU the images are preloaded there and the step runs in bf16 from a CUDA graph; the loss itself runs in
+# fp32 (sce/builder.py). Lossy JPEG folders give somewhat lower numbers than the official pixels.
+set -euo pipefail
+usage="usage: bash benchmarks/reproduce.sh cifar10|cifar100|stl10|tiny-imagenet DATA_DIR [OUT_DIR]"
+DATASET=${1:?$usage}
+DATA=$(realpath -m "${2:?$usage}")  # the caller's paths, before the cd
+OUT=$(realpath -m "${3:-$(dirname "$0")/../runs/reproduce/$DATASET$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
+cd "$(dirname "$0")/.."
+METHODS=${METHODS:-sce ressl moco}
+PYTHON=${PYTHON:-python}
+
+# RECIPES.md's setting of each dataset: crop, EMA momentum, queue, SCE's temperatures (supp. Table 10's best)
+case $DATASET in
+    cifar10) CROP=32 EMA=0.99 QUEUE=4096 SCE_TEMPS="--tau 0.2 --tau-m 0.1" ;;
+    cifar100) CROP=32 EMA=0.99 QUEUE=4096 SCE_TEMPS="--tau 0.1 --tau-m 0.08" ;;
+    stl10) CROP=96 EMA=0.996 QUEUE=16384 SCE_TEMPS="--tau 0.1 --tau-m 0.04" ;;
+    tiny-imagenet) CROP=64 EMA=0.996 QUEUE=16384 SCE_TEMPS="--tau 0.1 --tau-m 0.07" ;;
+    *) echo "error: unknown dataset '$DATASET': use cifar10, cifar100, stl10 or tiny-imagenet" >&2; exit 1 ;;
+esac
+for method in $METHODS; do
+    case $method in sce|ressl|moco) ;; *) echo "error: unknown method '$method' in METHODS: use sce, ressl or moco" >&2; exit 1 ;; esac
+done
+# MoCo v2: InfoNCE, tau 0.2, two strong views; ReSSL: its relational term, tau 0.1 / tau_m 0.04, weak target
+declare -A FLAGS=([sce]="--method sce $SCE_TEMPS" [ressl]="--method ressl --tau 0.1 --tau-m 0.04"
+                  [moco]="--method moco --tau 0.2")
+PRETRAIN="--arch resnet18 --small-input --crop-size $CROP --batch-size 256 --epochs 200 --lr 0.06 --weight-decay 5e-4
+          --warmup-epochs 5 --ema-schedule constant --ema-momentum $EMA --proj-hidden-dims 512 --proj-dim 256
+          --proj-last-bn none --shuffle-bn --bn-splits 8 --queue-size $QUEUE --knn-every 20"
+LINEAR=""  # the linear probe's flags beyond its defaults (100 epochs, lr 30, x0.1 at 60 and 80, batch 256)
+
+# which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
+mkdir -p "$OUT"
+$PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" || exit 1
+# shellcheck disable=SC1091
+source "$OUT/data.env"  # FORMAT (the --dataset of the scripts), ROOT, split sizes, DEVICE (cpu or the GPU's name)
+if [ "${SMOKE:-0}" = 1 ]; then  # checks the script, not the numbers
+    if [ "$FORMAT" = imagefolder ]; then  # a subset of the images (symbolic links)
+        SUBSET="$OUT/smoke_data"
+        rm -rf "$SUBSET"
+        for split in train val; do
+            per_class=$([ $split = train ] && echo 26 || echo 10)
+            for class_dir in "$ROOT/$split"/*/; do
+                class_dir=$(cd "$class_dir" && pwd)
+                mkdir -p "$SUBSET/$split/${class_dir##*/}"
+                mapfile -t files < <(find "$class_dir" -maxdepth 1 -type f | sort)
+                (( ${#files[@]} )) && ln -s "${files[@]:0:$per_class}" "$SUBSET/$split/${class_dir##*/}/"
+            done
+        done
+        ROOT=$SUBSET
+    fi
+    PRETRAIN="$PRETRAIN --epochs 1 --crop-size 16 --batch-size 8 --bn-splits 2 --queue-size 32 --proj-hidden-dims 32
+              --proj-dim 16 --knn-every 1 --workers 0 --print-freq 1"
+    LINEAR="--epochs 1 --batch-size 8 --workers 0"
+fi
+if [ "$DEVICE" != cpu ]; then
+    PRETRAIN="$PRETRAIN --amp bf16 --channels-last"
+elif [ "${SMOKE:-0}" != 1 ]; then
+    echo "warning: no GPU: 200 epochs on a CPU take days (SMOKE=1 checks the script in a minute)" >&2
+fi
+
+# SIGTERM / SIGINT / SIGUSR1 go to the running stage, which saves and stops; the script exits with its code
+child=0
+forward() { [ "$child" -gt 0 ] && kill -TERM "$child" 2>/dev/null; stopping=1; }
+stopping=0
+trap forward TERM INT USR1
+# stage NAME LOG CMD...: runs CMD with its output in LOG, adds its wall time (ms) to $OUT/times
+stage() {
+    local name=$1 log=$2 start code
+    shift 2
+    echo "=== $name: $*"
+    [ "${DRY_RUN:-0}" = 1 ] && return
+    start=$(date +%s%N)
+    "$@" >> "$log" 2>&1 &
+    child=$!
+    wait "$child" && code=0 || code=$?
+    while kill -0 "$child" 2>/dev/null; do  # a trapped signal ended the first wait: let the stage save
+        wait "$child" && code=0 || code=$?
+    done
+    child=0
+    echo "$name $(( ($(date +%s%N) - start) / 1000000 ))" >> "$OUT/times"
+    if (( code != 0 || stopping )); then
+        echo "error: $name stopped (exit $code); the end of $log:" >&2
+        tail -3 "$log" >&2
+        (( stopping )) && echo "=> interrupted: run the same command again to continue" >&2
+        exit $(( code ? code : 1 ))
+    fi
+}
+
+# the run's stages, resumed where an earlier invocation stopped (--resume auto; a finished stage is skipped)
+EPOCHS=$(grep -o -- "--epochs [0-9]*" <<< "$PRETRAIN" | tail -1 | cut -d" " -f2)
+epochs_done() { [ -f "$1/log.txt" ] && tail -1 "$1/log.txt" | grep -o '"epoch": [0-9]*' | cut -d" " -f2 || echo 0; }
+first=1
+for method in $METHODS; do
+    run=$OUT/$method
+    # shellcheck disable=SC2086
+    pretrain=($PYTHON main_pretrain.py --dataset "$FORMAT" --data "$ROOT" --knn-data "$ROOT" $PRETRAIN
+              ${FLAGS[$method]} --output-dir "$run")
+    if (( first )) && [ ! -f "$run/checkpoint_last.pth" ] && [ "${DRY_RUN:-0}" != 1 ]; then  # it measures this machine
+        stage "$method pretrain" "$OUT/$method.pretrain.log" "${pretrain[@]}" --stop-after-epochs 1
+        # shellcheck disable=SC2086
+        $PYTHON benchmarks/reproduce_tools.py estimate "$OUT/$method.pretrain.log" "$OUT/data.env" "$PRETRAIN" \
+            "$LINEAR" $METHODS
+    fi
+    first=0
+    if [ "$(epochs_done "$run")" != "$EPOCHS" ]; then
+        stage "$method pretrain" "$OUT/$method.pretrain.log" "${pretrain[@]}"
+    fi
+    if [ ! -f "$run/linear/results_linear.json" ]; then
+        # shellcheck disable=SC2086
+        stage "$method linear" "$OUT/$method.linear.log" $PYTHON main_lincls.py --dataset "$FORMAT" --data "$ROOT" \
+            --pretrained "$run/checkpoint_last.pth" $LINEAR --resume auto --output-dir "$run/linear"
+    fi
+done
+[ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduce_tools.py table "$DATASET" "$OUT" $METHODS

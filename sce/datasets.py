@@ -1,0 +1,276 @@
+"""Dataset readers: image files of any mode as RGB (PIL, or libjpeg-turbo into a tensor), ImageFolder with
+class lists (ImageNet100), Tiny-ImageNet's val annotations, CIFAR's python batches and STL10's binaries with
+a partial download named, and the demo's digits."""
+import io
+import os
+import warnings
+
+import numpy as np
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image, JpegImagePlugin
+from torch.utils.data import Dataset
+from torchvision.datasets import CIFAR10, CIFAR100, STL10, ImageFolder
+
+try:  # libjpeg-turbo to a tensor; torchvision 0.29 deprecates it for TorchCodec: PIL decodes once it is gone
+    from torchvision.io import ImageReadMode, decode_jpeg
+    warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision are deprecated",
+                            DeprecationWarning)  # once per image otherwise, an error under -W error
+except ImportError:
+    decode_jpeg = None
+
+from sce import UserError
+from sce.augment import Encoded
+
+IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
+DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]
+
+
+def load_rgb(path):
+    """Open any image as 8-bit RGB: grayscale, palette, CMYK, alpha and 16-bit inputs included."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        img.load()
+    return to_rgb(img)
+
+
+def to_rgb(img):
+    """A loaded PIL image of any mode as 8-bit RGB."""
+    if img.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        arr = arr / 257.0 if arr.max() > 255 else arr  # 16-bit range down to 8 bits
+        img = Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+    if img.mode in ("P", "LA", "PA"):
+        img = img.convert("RGBA")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def load_rgb_tensor(path):
+    """load_rgb as a uint8 tensor (3, H, W), for the loader of --augment gpu (decode_rgb_tensor)."""
+    with open(path, "rb") as f:
+        return decode_rgb_tensor(f.read())
+
+
+def decode_rgb_tensor(data):
+    """An image file's bytes as a uint8 RGB tensor (3, H, W). A colour or gray JPEG (most photo
+    datasets) decodes straight into the tensor with torchvision's libjpeg-turbo: the same pixels as
+    PIL's with the wheels of requirements.txt (tested), for ~8% less loader work per image
+    (benchmarks/bench_pretrain.py). Unlike PIL, libjpeg prints its warnings about damaged data
+    ("Corrupt JPEG data: ...") on stderr, at each read of such a file."""
+    img = Image.open(io.BytesIO(data))  # parses the header only
+    if decode_jpeg and img.format == "JPEG" and img.mode in ("RGB", "L"):
+        try:
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # a damaged file: PIL's decoder below names the problem, as with --augment cpu
+    img.load()
+    return TF.pil_to_tensor(to_rgb(img))
+
+
+def read_header(data):
+    """(format, mode, (height, width), plain) of an image file's bytes, from its header alone. plain: a
+    JPEG of the kind GPU decoders take, baseline, gray or YCbCr 4:4:4 / 4:2:2 / 4:2:0 (not progressive,
+    not CMYK, not Adobe's RGB-coded kind)."""
+    img = Image.open(io.BytesIO(data))
+    plain = (img.format == "JPEG" and img.mode in ("RGB", "L") and not img.info.get("progressive")
+             and img.info.get("adobe_transform") != 0
+             and (img.mode == "L" or JpegImagePlugin.get_sampling(img) in (0, 1, 2)))
+    return img.format, img.mode, (img.height, img.width), plain
+
+
+def read_encoded(path):
+    """A plain JPEG (read_header), which the training device decodes (sce.device_decode), as an Encoded:
+    its bytes and its size from the header; any other file (PNG, progressive or CMYK JPEG, ...) decoded
+    here into a uint8 tensor (3, H, W), as load_rgb_tensor."""
+    with open(path, "rb") as f:
+        data = f.read()
+    _, _, size, plain = read_header(data)
+    if decode_jpeg and plain:
+        return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size)
+    return decode_rgb_tensor(data)
+
+
+class Folder(ImageFolder):
+    """ImageFolder that reads with load_rgb (load_rgb_tensor: as_tensor; read_encoded: encoded),
+    tolerates empty class folders, and can keep only the classes of a list file (ImageNet100)."""
+
+    def __init__(self, root, transform=None, classes=None, as_tensor=False, encoded=False):
+        self.keep = classes
+        loader = read_encoded if encoded else load_rgb_tensor if as_tensor else load_rgb
+        super().__init__(root, transform=transform, loader=loader,
+                         allow_empty=True)
+        if not self.samples:
+            raise UserError(f"no images found under {root}: expected one sub-folder of images "
+                            "per class (ImageFolder layout)")
+
+    def find_classes(self, directory):
+        classes, _ = super().find_classes(directory)
+        if self.keep is not None:
+            missing = sorted(set(self.keep) - set(classes))
+            if missing:
+                raise UserError(f"{directory} lacks {len(missing)} of the listed classes "
+                                f"(first: {missing[0]}): point --data at a full ImageNet split")
+            classes = sorted(self.keep)
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    def path(self, i):
+        return self.samples[i][0]
+
+
+class TinyImageNetVal(Dataset):
+    """Tiny-ImageNet val/: images/ plus val_annotations.txt (file, wnid, box)."""
+
+    def __init__(self, root, classes, transform=None):
+        index = {c: i for i, c in enumerate(classes)}
+        listing = os.path.join(root, "val_annotations.txt")
+        if not os.path.isfile(listing):
+            raise UserError(f"{listing} not found: Tiny-ImageNet's val/ holds images/ and val_annotations.txt")
+        with open(listing) as f:
+            rows = [line.split("\t")[:2] for line in f if line.strip()]
+        unknown = sorted({wnid for _, wnid in rows} - set(index))
+        if unknown:
+            raise UserError(f"{listing} names {len(unknown)} classes that train/ lacks (first: {unknown[0]}): "
+                            "train/ needs one folder per class")
+        self.samples = [(os.path.join(root, "images", name), index[wnid]) for name, wnid in rows]
+        self.targets = [t for _, t in self.samples]
+        self.classes, self.transform = list(classes), transform
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        img = load_rgb(self.samples[i][0])
+        return (self.transform(img) if self.transform else img), self.samples[i][1]
+
+    def path(self, i):
+        return self.samples[i][0]
+
+
+# torchvision reads CIFAR and STL10. Its classes compare every file with the official release's md5
+# first: that hashes all of STL10 (3 GB) at each start and refuses valid files that are not those
+# exact bytes (a re-export, the small files of our tests). An md5 of None makes torchvision's
+# check_integrity test only that the file exists; a malformed file still fails when it is read.
+def _no_md5(files):
+    return [[name, None] for name, _ in files]
+
+
+class CIFAR10Files(CIFAR10):
+    """torchvision's CIFAR10 without the md5 check."""
+    train_list, test_list, meta = _no_md5(CIFAR10.train_list), _no_md5(CIFAR10.test_list), dict(CIFAR10.meta, md5=None)
+
+
+class CIFAR100Files(CIFAR100):
+    """torchvision's CIFAR100 without the md5 check."""
+    train_list, test_list, meta = _no_md5(CIFAR100.train_list), _no_md5(CIFAR100.test_list), dict(CIFAR100.meta, md5=None)
+
+
+class STL10Files(STL10):
+    """torchvision's STL10 without the md5 check, with `targets` as the other datasets (-1: unlabeled)."""
+    train_list, test_list = _no_md5(STL10.train_list), _no_md5(STL10.test_list)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.targets = self.labels.astype(int).tolist()
+
+
+def _torchvision_dataset(cls, root, what, **kwargs):
+    """cls(root / the files' folder) with a one-line UserError naming the first missing file, or the
+    folder of a file that does not read."""
+    folder = os.path.join(root, cls.base_folder)
+    if not os.path.isdir(folder) and os.path.basename(os.path.normpath(root)) == cls.base_folder:
+        root, folder = os.path.dirname(os.path.normpath(root)), root  # --data pointed at the folder itself
+    names = [n for n, _ in cls.train_list + cls.test_list] + ([cls.meta["filename"]] if hasattr(cls, "meta") else [])
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
+                        f"in {cls.base_folder}/ under --data")
+    damaged = _damaged_file(folder, names)  # a partial download: named, before torchvision misreads it
+    if damaged:
+        raise UserError(f"{damaged}: download {what} again")
+    try:
+        return cls(root, **kwargs)
+    except Exception as e:  # pickle, reshape and key errors of a malformed file
+        raise UserError(f"{folder} does not hold readable {what} files ({type(e).__name__}: {e})") from None
+
+
+def _damaged_file(folder, names):
+    """'PATH is ...' for the first file of a CIFAR or STL10 download that is cut short, else None. CIFAR's
+    python batches must unpickle; an STL10 image file must hold whole 3x96x96 images, as many as its labels
+    (torchvision would pair shifted labels with the images of a short one)."""
+    import pickle
+    sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in names}
+    for name in names:
+        path = os.path.join(folder, name)
+        if name.endswith("_X.bin"):
+            labels = name.replace("_X.bin", "_y.bin")
+            if sizes[name] % (3 * 96 * 96):
+                return f"{path} is cut short ({sizes[name]} bytes, not whole 3x96x96 images)"
+            if labels in sizes and sizes[name] // (3 * 96 * 96) != sizes[labels]:
+                return f"{path} holds {sizes[name] // (3 * 96 * 96)} images for the {sizes[labels]} labels of {labels}"
+        elif not name.endswith(".bin"):
+            try:
+                with open(path, "rb") as f:
+                    pickle.load(f, encoding="latin1")
+            except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
+                return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
+    return None
+
+
+def read_cifar(root, train, num_classes=10, transform=None):
+    """CIFAR python batches (cifar-10-batches-py/ or cifar-100-python/ under root), via torchvision."""
+    cls = CIFAR10Files if num_classes == 10 else CIFAR100Files
+    return _torchvision_dataset(cls, root, f"CIFAR{num_classes}", train=train, transform=transform)
+
+
+def read_stl10(root, split, transform=None):
+    """STL10 binaries (stl10_binary/ under root), via torchvision; split: train, test, unlabeled
+    or train+unlabeled (the train images first)."""
+    return _torchvision_dataset(STL10Files, root, "STL10", split=split, transform=transform)
+
+
+def build_dataset(name, root, split="train", transform=None, class_list=None, as_tensor=False, encoded=False):
+    """split: 'pretrain' (STL10: train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10).
+    as_tensor: image files come as uint8 tensors (load_rgb_tensor); the others stay PIL images.
+    encoded: baseline JPEG files come encoded, for the device's decoder (read_encoded)."""
+    if not root or not os.path.exists(root):
+        raise UserError(f"data path {root!r} does not exist: pass --data DIR")
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset '{name}': use one of {', '.join(DATASETS)}")
+    train = split in ("pretrain", "train")
+    if name in ("cifar10", "cifar100"):
+        ds = read_cifar(root, train, 10 if name == "cifar10" else 100, transform)
+    elif name == "stl10":
+        ds = read_stl10(root, "train+unlabeled" if split == "pretrain" else "train" if train else "test", transform)
+    else:
+        sub = os.path.join(root, "train" if train else "val")
+        if name == "tiny-imagenet" and not train:
+            classes = sorted(os.listdir(os.path.join(root, "train")))
+            return TinyImageNetVal(sub, classes, transform)
+        if not os.path.isdir(sub):
+            if not train:
+                raise UserError(f"{root} has no val/ folder: evaluation needs DATA/train and DATA/val")
+            sub = root
+        keep = None
+        if name == "imagenet100":
+            with open(class_list or IMAGENET100) as f:
+                keep = f.read().split()
+        return Folder(sub, transform, keep, as_tensor, encoded)
+    return ds
+
+
+def digits_imagefolder(root):
+    """The embedded demo data: scikit-learn's 8x8 handwritten digits written once as 16x16 PNGs in
+    ImageFolder layout (root/train, root/val; every 5th image held out), so the demo runs the
+    real ImageFolder path."""
+    if os.path.isfile(os.path.join(root, ".complete")):
+        return root
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    for i, (img, label) in enumerate(zip(digits.images, digits.target)):
+        split = "val" if i % 5 == 0 else "train"
+        folder = os.path.join(root, split, str(label))
+        os.makedirs(folder, exist_ok=True)
+        pixels = (img * (255.0 / 16.0)).astype(np.uint8)
+        Image.fromarray(pixels).resize((16, 16), Image.BICUBIC).save(os.path.join(folder, f"{i:04d}.png"))
+    open(os.path.join(root, ".complete"), "w").close()
+    return root

@@ -1,0 +1,132 @@
+"""benchmarks/reproduce.sh: the baselines table's small and medium datasets from their official files (written
+here in each format, a few images each): SMOKE=1 runs the whole script, its commands are RECIPES.md's settings,
+bad input is one line, and a signal reaches the running stage instead of orphaning it."""
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, write_cifar, write_imagefolder, write_stl10, write_tiny_imagenet
+import main_pretrain
+from test_recipes import COMMANDS
+
+SCRIPT = os.path.join(REPO, "benchmarks", "reproduce.sh")
+ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+WRITERS = {"cifar10": lambda root: write_cifar(root, 10, per_batch=4),  # 20 train, 4 test
+           "cifar100": lambda root: write_cifar(root, 100, per_batch=16),
+           "stl10": lambda root: write_stl10(root),  # 8 train + 8 unlabeled, 4 test
+           "tiny-imagenet": lambda root: write_tiny_imagenet(os.path.join(root, "tiny-imagenet-200"))}
+FOUND = {"cifar10": "CIFAR-10's python batches in cifar-10-batches-py/",
+         "cifar100": "CIFAR-100's python batches in cifar-100-python/",
+         "stl10": "STL-10's binaries in stl10_binary/", "tiny-imagenet": "Tiny-ImageNet's folders"}
+
+
+def reproduce(dataset, data, out, timeout=300, **env):
+    return subprocess.run(["bash", SCRIPT, dataset, str(data), str(out)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(ENV, **env))
+
+
+@pytest.mark.parametrize("dataset", ["stl10"])  # ImageFolder: test_a_signal_...; every layout's reading: DRY_RUN
+def test_smoke_run_from_official_files(tmp_path, dataset):
+    WRITERS[dataset](str(tmp_path / "data"))
+    proc = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"=> {dataset}: {FOUND[dataset]}" in proc.stdout
+    assert re.search(r"=> the first epoch ran at \d+ images/s .*\n   sce pretrain: 1 epochs x \d+ images: [\d.]+ min\n"
+                     r"   sce linear: 1 epochs x \d+ images: [\d.]+ min", proc.stdout)
+    results = json.load(open(tmp_path / "out" / "results.json"))
+    paper = {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "tiny-imagenet": 51.90}[dataset]
+    row = results["methods"]["sce"]
+    assert results["dataset"] == dataset and row["paper_linear_top1"] == paper
+    assert 0 <= row["linear_top1"] <= 100 and 0 <= row["knn_top1"] <= 100 and row["pretrain_s"] > 0
+    assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | {paper:.2f} |" \
+        in open(tmp_path / "out" / "results.md").read()
+    # the same command again: every stage is done, nothing runs again
+    again = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
+    assert again.returncode == 0 and "===" not in again.stdout and "| SCE |" in again.stdout
+
+
+def commands(stdout):
+    """{(method, stage): argv} of a DRY_RUN's '=== METHOD STAGE: CMD' lines."""
+    found = {}
+    for method, stage, cmd in re.findall(r"^=== (\w+) (pretrain|linear): (.*)$", stdout, re.M):
+        found[method, stage] = shlex.split(cmd)[2:]  # without PYTHON SCRIPT
+    return found
+
+
+def test_commands_are_recipes_settings(tmp_path):
+    """DRY_RUN=1: each dataset's pretraining commands are RECIPES.md's line for it (SCE with Table 10's best
+    temperatures; MoCo v2 and ReSSL with the same setting and their own temperatures), on its official layout."""
+    keys = ["arch", "small_input", "crop_size", "batch_size", "epochs", "lr", "weight_decay", "warmup_epochs",
+            "queue_size", "proj_dim", "proj_hidden_dims", "proj_last_bn", "ema_momentum", "ema_schedule", "bn_splits",
+            "shuffle_bn"]
+    own = {"sce": None, "moco": ["--method", "moco", "--tau", "0.2"],
+           "ressl": ["--method", "ressl", "--tau", "0.1", "--tau-m", "0.04"]}
+    for dataset in WRITERS:
+        WRITERS[dataset](str(tmp_path / dataset))
+        proc = reproduce(dataset, tmp_path / dataset, tmp_path / "out" / dataset, DRY_RUN="1")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        found = commands(proc.stdout)
+        assert sorted(found) == sorted((m, s) for m in own for s in ("pretrain", "linear"))
+        recipe = next(c for c in COMMANDS if f"--dataset {dataset} " in " ".join(c))
+        for method, flags in own.items():
+            args = main_pretrain.parse_args(found[method, "pretrain"])
+            expected = main_pretrain.parse_args(recipe + (flags or []))
+            assert args.dataset == dataset and args.knn_data == args.data and args.method == method
+            for key in keys + ["tau"] + (["tau_m"] if method != "moco" else []):
+                assert getattr(args, key) == getattr(expected, key), (dataset, method, key)
+        assert found["sce", "linear"][:4] == ["--dataset", dataset, "--data", found["sce", "pretrain"][3]]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    def error(dataset, data, **env):
+        proc = reproduce(dataset, data, tmp_path / "out", **env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        return lines[0]
+    assert "use cifar10, cifar100, stl10 or tiny-imagenet" in error("imagenet", tmp_path)
+    (tmp_path / "empty").mkdir()
+    assert ("holds none of stl10's layouts: expected stl10_binary/ (STL-10's binaries, as downloaded)"
+            in error("stl10", tmp_path / "empty"))
+    assert "or train/ and val/ class folders of image files" in error("cifar10", tmp_path / "empty")
+    old = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "reproduce_cifar10.sh"), str(tmp_path / "empty")],
+                         capture_output=True, text=True, env=ENV)  # the former script: reproduce.sh cifar10
+    assert old.returncode == 1 and "holds none of cifar10's layouts" in old.stderr
+    folder = write_cifar(str(tmp_path / "cifar"), 10)
+    os.remove(os.path.join(folder, "data_batch_3"))
+    assert "cifar-10-batches-py/data_batch_3 not found: CIFAR10 needs" in error("cifar10", tmp_path / "cifar")
+    folder = write_stl10(str(tmp_path / "stl"))
+    with open(os.path.join(folder, "unlabeled_X.bin"), "r+b") as f:
+        f.truncate(3 * 96 * 96 * 5 + 1000)  # a download cut off
+    assert "unlabeled_X.bin is cut short" in error("stl10", tmp_path / "stl")
+    write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
+    assert "unknown method 'simclr'" in error("cifar10", tmp_path / "folders", METHODS="sce simclr")
+
+
+def test_a_signal_reaches_the_running_stage(tmp_path):
+    """SIGTERM to the script (not its group): the pretraining it runs saves and stops, the script exits with its
+    code and says how to continue; no Python process is left running."""
+    write_imagefolder(tmp_path / "data", num_classes=2, per_class=26, size=16)  # 6 steps, a stop request at each
+    proc = subprocess.Popen(["bash", SCRIPT, "cifar10", str(tmp_path / "data"), str(tmp_path / "out")], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
+    log = tmp_path / "out" / "sce.pretrain.log"
+    deadline = time.time() + 120
+    while not (log.exists() and "=> sce on " in log.read_text()):  # about to train, its handler installed
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and "interrupted: run the same command again to continue" in err
+    assert "=> preempted" in log.read_text()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "out")], capture_output=True, text=True).stdout
+    assert not left.strip()
+    # the same command continues the stopped epoch, then the linear probe and the table: an ImageFolder's run
+    done = reproduce("cifar10", tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
+    assert done.returncode == 0 and "=> cifar10: image files in train/ and val/ class folders" in done.stdout
+    assert "=> resuming from" in log.read_text() and "| SCE |" in done.stdout
