@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from photos import write_photos  # noqa: E402
-from sce import cli, compiling, losses, preload  # noqa: E402
+from sce import cli, compiling, device_augment, losses, preload  # noqa: E402
 from sce.augment import MultiView, View  # noqa: E402
 from sce.builder import SCE, build_trunk  # noqa: E402
 from sce.datasets import build_dataset  # noqa: E402
@@ -218,12 +218,12 @@ def bench_data(dataset, augment):
     seconds = time.perf_counter() - start
     views = batch if isinstance(batch, dict) else batch[0]  # a dict: JPEGs still encoded (decode)
     device_ms = eager_ms = None
-    if augment != "cpu":  # compiled on CUDA (main_pretrain.py's default there), then eager, on the last batch
-        device_ms = time_device_augment(views, compile=device.type == "cuda")
+    if augment != "cpu":  # as --compile says (main_pretrain.py's default on CUDA: compiled), then eager
+        device_ms = time_device_augment(views, compile=args.compile)
         eager_ms = time_device_augment(views, compile=False)
     if args.profile and augment != "cpu":
         with torch.profiler.profile() as prof:
-            views_to_device(views, device, amp_dtype, args.channels_last, device.type == "cuda")
+            views_to_device(views, device, amp_dtype, args.channels_last, args.compile)
             sync()
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
@@ -265,10 +265,14 @@ def no_compile_while_timed(graphs_before):
 
 
 def check_graph(step):
-    """A row that asked for a CUDA graph and ran eagerly would report the eager step as the graph's: stop."""
+    """A row that asked for a CUDA graph, or for compiled code, and ran eagerly would report the eager step as
+    what it asked for: stop."""
     if args.cuda_graph and getattr(step, "replay", None) is None:
         raise SystemExit("error: --cuda-graph: the step was not captured (see the warning above): its rows would "
                          "time eager steps")
+    if args.compile and (getattr(step, "failed", None) or device_augment.compile_failed):
+        raise SystemExit("error: --compile: compiling failed and the step or the views ran eagerly (see the warning "
+                         "above): its rows would time eager code")
 
 
 def bench_train_step(training, step):

@@ -2,8 +2,10 @@
 """The CUDA-graph step gives the eager step's numbers (for gpu_check.sh): two copies of RECIPES.md's CIFAR-10
 model (ResNet-18 small-input, split BN of 8, batch 256, queue 4096), the same views and lr, 8 steps each,
 one through train_step, one through sce.engine.build_step's CUDA graph (captured after its eager steps);
-losses and final weights must agree. Eager modules and fp32 with cuDNN's deterministic kernels, so that only
-the graph differs (the compiled default path is checked end to end by main_pretrain.py's runs).
+losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
+at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
+kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
+Not covered: shuffle-BN's permutation, drawn in the graph from CUDA's generator in another order.
 
     python benchmarks/check_graph.py [--steps 8]
 """
@@ -17,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sce import losses  # noqa: E402
 from sce.builder import SCE  # noqa: E402
-from sce.engine import GRAPH_WARMUP, Training, build_step, train_step  # noqa: E402
+from sce.engine import GRAPH_WARMUP, Training, build_step, lr_as_tensors, train_step  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,32 +29,39 @@ device = torch.device("cuda")
 torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
-def training():
+def training(lam):
     torch.manual_seed(0)
-    model = SCE(functools.partial(losses.sce_loss, tau=0.2, tau_m=0.1), arch="resnet18", small_input=True,
-                proj_hidden_dims=[512], proj_dim=256, proj_last_bn="none", queue_size=4096, bn_splits=8).to(device)
-    return Training(model, model, build_optimizer("sgd", model, 0.06, 5e-4))
+    model = SCE(functools.partial(losses.sce_loss, lambda_=lam, tau=0.2, tau_m=0.1), arch="resnet18",
+                small_input=True, proj_hidden_dims=[512], proj_dim=256, proj_last_bn="none", queue_size=4096,
+                bn_splits=8).to(device)
+    optimizer = build_optimizer("sgd", model, 0.06, 5e-4)
+    lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
+    terms = functools.partial(losses.loss_terms, tau=0.2, tau_m=0.1)
+    return Training(model, model, optimizer, terms=terms)
 
 
 views = [[torch.randn(256, 3, 32, 32, generator=torch.Generator().manual_seed(10 * s + v)).to(device)
           for v in range(2)] for s in range(args.steps)]
 runs = {}
 for name in ("eager", "graph"):
-    t = training()
+    lam = torch.tensor(0.5, device=device)  # filled in place each step, as main_pretrain.py's schedule does
+    t = training(lam)
     step = functools.partial(train_step, t) if name == "eager" else build_step(t, device, cuda_graph=True)
     out = []
     for s in range(args.steps):
         set_lr(t.optimizer, cosine_lr(s, args.steps, 0.06, 2))
-        loss, finite, _ = step(views[s], 0.99)
-        out.append(float(loss))  # a graph's outputs are overwritten by its next replay: read them now
+        lam.fill_(0.5 + 0.05 * s)
+        loss, finite, terms = step(views[s], 0.99 + 0.001 * s)
+        # a graph's outputs are overwritten by its next replay: read them now
+        out.append([float(loss)] + [float(terms[k]) for k in ("infonce", "ressl", "ceil")])
     runs[name] = (out, {k: v.clone() for k, v in t.model.state_dict().items()})
     if name == "graph" and getattr(step, "replay", None) is None:
         sys.exit("error: the step was not captured as a CUDA graph (see the warning above)")
 (eager, eager_state), (graph, graph_state) = runs["eager"], runs["graph"]
 worst = max((eager_state[k].float() - graph_state[k].float()).abs().max().item() for k in eager_state)
-print("losses eager:", " ".join(f"{x:.5f}" for x in eager))
-print("losses graph:", " ".join(f"{x:.5f}" for x in graph))
+print("losses eager:", " ".join(f"{x[0]:.5f}" for x in eager))
+print("losses graph:", " ".join(f"{x[0]:.5f}" for x in graph))
 print(f"largest weight difference {worst:.2e}")
-ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(eager, graph)) and worst <= 1e-4
+ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for e, g in zip(eager, graph) for a, b in zip(e, g)) and worst <= 1e-4
 print("ok" if ok else "FAILED: the graph's numbers are not the eager step's")
 sys.exit(0 if ok else 1)

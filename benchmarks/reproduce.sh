@@ -67,8 +67,8 @@ if [ "${SMOKE:-0}" = 1 ]; then  # checks the script, not the numbers
         ROOT=$SUBSET
     fi
     PRETRAIN="$PRETRAIN --epochs 1 --crop-size 16 --batch-size 8 --bn-splits 2 --queue-size 32 --proj-hidden-dims 32
-              --proj-dim 16 --knn-every 1 --workers 0 --print-freq 1"
-    LINEAR="--epochs 1 --batch-size 8 --workers 0"
+              --proj-dim 16 --knn-every 1 --workers 0 --print-freq 1 --no-compile"
+    LINEAR="--epochs 1 --batch-size 8 --workers 0 --no-compile"
 fi
 if [ "$DEVICE" != cpu ]; then
     PRETRAIN="$PRETRAIN --amp bf16 --channels-last"
