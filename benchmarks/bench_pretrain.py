@@ -305,8 +305,9 @@ def bench_train_step(training, step):
 
 def criterion_ms(training, step_s):
     """The loss and its logged terms as the step runs them (fp32, autocast off: sce.builder.SCE.forward), and
-    the same under autocast in --amp's dtype (what the step ran before), on embeddings and a queue of the
-    setting's shapes: ms each, and the fp32 criterion's share of the step."""
+    the same under autocast in --amp's dtype, on embeddings and a queue of the setting's shapes: ms each
+    (eager, kernel launches included) and the fp32 criterion's share of the step (an upper bound beside a
+    CUDA graph's step, which launches nothing; one pair of a symmetric step's two)."""
     queue = training.model.queue
     q, k = (torch.nn.functional.normalize(torch.randn(args.batch_size, queue.shape[1], device=device), dim=1)
             for _ in range(2))

@@ -13,56 +13,27 @@ set -u
 LOG=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu_bench}")
 cd "$(dirname "$0")/.."
 mkdir -p "$LOG"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-$(command -v python || command -v python3)}  # python, else python3
 BUDGET_S=${BUDGET_S:-290}
-START=$(date +%s)
-ROWS=() FAILED=() SKIPPED=()
-bench() {  # bench NAME LIMIT_S ARGS...: one benchmark run, skipped when the budget has less than LIMIT_S left
-    local name=$1 limit=$2 left t0 rc
-    shift 2
-    left=$(( BUDGET_S - ($(date +%s) - START) ))
-    if (( left < limit )); then
-        ROWS+=("| $name | skipped (budget: ${left}s left) | 0 |")
-        SKIPPED+=("$name")
-        return
-    fi
-    echo "=== $name: $*"
-    t0=$(date +%s)
-    timeout -k 15 "$limit" "$PY" benchmarks/bench_pretrain.py "$@" > "$LOG/$name.log" 2>&1
-    rc=$?
-    (( rc == 0 )) || FAILED+=("$name")
-    ROWS+=("| $name | $([ $rc = 0 ] && echo ok || echo "FAILED ($rc): $(tail -1 "$LOG/$name.log" | cut -c1-90)") \
-| $(( $(date +%s) - t0 )) |")
-}
-
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-CIFAR=data/cifar10
-if [ ! -d "$CIFAR/train" ] && [ -f data/cifar10-jpeg.tar.gz ]; then
-    mkdir -p "$CIFAR" && tar -xzf data/cifar10-jpeg.tar.gz -C "$CIFAR"
-fi
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh  # PY, CIFAR, check, finish
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG/checks.log"
 SMALL="--arch resnet18 --small-input --crop-size 32 --batch-size 256 --queue-size 4096 --shuffle-bn --bn-splits 8
        --proj-hidden-dims 512 --proj-dim 256 --proj-last-bn none --amp bf16 --channels-last --compile --preload
        --skip-data --steps 50 --warmup 5 $([ -d "$CIFAR/train" ] && echo "--data $CIFAR/train")"
 R50="--arch resnet50 --batch-size 256 --crop-size 224 --amp bf16 --channels-last --workers $(( $(nproc) - 1 ))"
 # shellcheck disable=SC2086
-bench cifar_graph 200 $SMALL --cuda-graph --profile
+check cifar_graph 200 "$PY" benchmarks/bench_pretrain.py $SMALL --cuda-graph --profile
 # shellcheck disable=SC2086
-bench cifar_no_graph 120 $SMALL
+check cifar_no_graph 120 "$PY" benchmarks/bench_pretrain.py $SMALL
 # shellcheck disable=SC2086
-bench imagenet 240 $R50 --steps 30 --compile --augment cpu gpu decode --e2e-workers 4 --lincls
+check imagenet 240 "$PY" benchmarks/bench_pretrain.py $R50 --steps 30 --compile --augment cpu gpu decode \
+    --e2e-workers 4 --lincls
 # shellcheck disable=SC2086
-bench symmetric 150 $R50 --steps 20 --compile --symmetric --augment decode
+check symmetric 150 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --compile --symmetric --augment decode
 # shellcheck disable=SC2086
-bench imagenet_eager 120 $R50 --steps 20 --augment gpu decode
+check imagenet_eager 120 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --augment gpu decode
 
 for name in cifar_graph cifar_no_graph imagenet symmetric imagenet_eager; do
     [ -f "$LOG/$name.log" ] && { echo "### $name"; sed -n '/^| measurement/,$p' "$LOG/$name.log"; }
 done
-echo
-echo "| run | status | seconds |"
-echo "|---|---|---|"
-printf '%s\n' "${ROWS[@]}"
-echo "total $(( $(date +%s) - START )) s"
-(( ${#FAILED[@]} == 0 )) || { echo "FAILED: ${FAILED[*]}"; exit 1; }
-(( ${#SKIPPED[@]} == 0 )) || { echo "NOT RUN (budget): ${SKIPPED[*]}: raise BUDGET_S or run them alone"; exit 2; }
+finish

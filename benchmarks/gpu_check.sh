@@ -12,51 +12,19 @@
 #   recipe's flags, bf16: 1 epoch, then resumed for a 2nd, with the kNN monitor; checked (finite, trained, position).
 # 9-10. main_lincls.py: 2 epochs of the linear probe, then --knn, whose top-1 must be the monitor's.
 # CIFAR-10: data/cifar10/{train,val} in the checkout, or unpacked here from data/cifar10-jpeg.tar.gz (carried:
-# 20 MB); without it, checks 2-6 are skipped and the exit is 2.
+# 20 MB); without it, the cifar_* checks are left out and the exit is 2.
 set -u
 LOG=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu_check}")  # a path given is the caller's, not the repo's
 cd "$(dirname "$0")/.."
 mkdir -p "$LOG"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-$(command -v python || command -v python3)}  # python, else python3
 BUDGET_S=${BUDGET_S:-420}
-rm -rf "$LOG"/{cifar,cifar_lincls,cifar_knn,fp16}  # a rerun checks again, it does not find the runs complete
-START=$(date +%s)
-ROWS=() FAILED=() NOT_RUN=()
-
-# check NAME LIMIT_S CMD...: runs CMD under LIMIT_S, or skips it when the budget has less left (a check cut
-# short would read as a failure)
-check() {
-    local name=$1 limit=$2 left t0 rc status
-    shift 2
-    left=$(( BUDGET_S - ($(date +%s) - START) ))
-    if (( left < limit )); then
-        ROWS+=("| $name | skipped (budget: ${left}s left) | 0 |")
-        NOT_RUN+=("$name")
-        return
-    fi
-    echo "=== $name: $*" | tee -a "$LOG/checks.log"
-    t0=$(date +%s)
-    timeout -k 15 "$limit" "$@" > "$LOG/$name.log" 2>&1  # SIGTERM (a run saves and stops), SIGKILL 15 s later
-    rc=$?
-    cat "$LOG/$name.log" >> "$LOG/checks.log"
-    case $rc in
-        0) status=ok ;;
-        124|137) status="TIMEOUT after ${limit}s" ;;
-        *) status="FAILED ($rc): $(tail -1 "$LOG/$name.log" | cut -c1-100)" ;;
-    esac
-    [ "$status" = ok ] || FAILED+=("$name")
-    ROWS+=("| $name | $status | $(( $(date +%s) - t0 )) |")
-}
+rm -rf "$LOG"/{cifar,cifar_lincls,cifar_knn,fp16,checks.log}  # a rerun checks again: no run found complete
+# shellcheck source=benchmarks/gpu_common.sh
+source benchmarks/gpu_common.sh  # PY, CIFAR, check, finish
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG/checks.log"
 "$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
     | tee -a "$LOG/checks.log"
-CIFAR=data/cifar10
-if [ ! -d "$CIFAR/train" ] && [ -f data/cifar10-jpeg.tar.gz ]; then
-    mkdir -p "$CIFAR" && tar -xzf data/cifar10-jpeg.tar.gz -C "$CIFAR"
-fi
-
 check graph_equals_eager 60 "$PY" benchmarks/check_graph.py
 check decode_pixels 30 "$PY" benchmarks/check_decode.py
 # the demo's ImageFolder (scikit-learn's digits, 1437 train images): fp16 through GradScaler and LARS, batch 56
@@ -99,16 +67,4 @@ for name in graph_equals_eager cifar_checked fp16_checked decode_pixels; do
     [ -f "$LOG/$name.log" ] && tail -3 "$LOG/$name.log" | sed "s/^/$name: /"
 done
 grep -h "augmentation failed\|capture of the training step failed\|compile.*failed" "$LOG"/*.log | sort -u | head -3
-echo
-echo "| check | status | seconds |"
-echo "|---|---|---|"
-printf '%s\n' "${ROWS[@]}"
-echo "total $(( $(date +%s) - START )) s"
-if (( ${#FAILED[@]} )); then
-    echo "FAILED: ${FAILED[*]}"
-    exit 1
-fi
-if (( ${#NOT_RUN[@]} )); then
-    echo "NOT RUN: ${NOT_RUN[*]}: raise BUDGET_S or run them alone"
-    exit 2
-fi
+finish

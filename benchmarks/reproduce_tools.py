@@ -53,10 +53,9 @@ def check(dataset, data, env_file):
     fmt, root, found = layout(dataset, data)
     import torch  # here: a wrong folder is said without the seconds of importing torch
     from sce.datasets import build_dataset
-    pretrain, train, val = (build_dataset(fmt, root, split) for split in ("pretrain", "train", "val"))
-    classes = getattr(train, "classes", None)
-    if fmt == "imagefolder" and list(val.classes) != list(classes):
-        raise UserError(f"{root}/val and {root}/train have different class folders: both need the same ones")
+    from sce.evaldata import read_splits
+    train, val, _ = read_splits(fmt, root)  # the evaluations' reader and class checks
+    pretrain = build_dataset(fmt, root, "pretrain")
     print(f"=> {dataset}: {found} under {data}: {len(pretrain)} pretraining images, {len(train)} train / {len(val)} "
           "val images for the linear probe and the kNN", flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -184,35 +184,41 @@ def _torchvision_dataset(cls, root, what, **kwargs):
     if missing:
         raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
                         f"in {cls.base_folder}/ under --data")
-    damaged = _damaged_file(folder, names)  # a partial download: named, before torchvision misreads it
-    if damaged:
-        raise UserError(f"{damaged}: download {what} again")
+    short = _short_binary(folder, names)  # torchvision would pair shifted labels with the images of a short file
+    if short:
+        raise UserError(f"{short}: download {what} again")
     try:
         return cls(root, **kwargs)
-    except Exception as e:  # pickle, reshape and key errors of a malformed file
-        raise UserError(f"{folder} does not hold readable {what} files ({type(e).__name__}: {e})") from None
+    except Exception as e:  # pickle, reshape and key errors of a malformed file: name it if a batch is cut short
+        damaged = _not_unpickling(folder, names)
+        raise UserError(f"{damaged}: download {what} again" if damaged else
+                        f"{folder} does not hold readable {what} files ({type(e).__name__}: {e})") from None
 
 
-def _damaged_file(folder, names):
-    """'PATH is ...' for the first file of a CIFAR or STL10 download that is cut short, else None. CIFAR's
-    python batches must unpickle; an STL10 image file must hold whole 3x96x96 images, as many as its labels
-    (torchvision would pair shifted labels with the images of a short one)."""
-    import pickle
+def _short_binary(folder, names):
+    """'PATH is ...' for the first STL10 image file that is not whole 3x96x96 images, as many as its labels,
+    else None (its size alone: no file is read)."""
     sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in names}
-    for name in names:
-        path = os.path.join(folder, name)
-        if name.endswith("_X.bin"):
-            labels = name.replace("_X.bin", "_y.bin")
-            if sizes[name] % (3 * 96 * 96):
-                return f"{path} is cut short ({sizes[name]} bytes, not whole 3x96x96 images)"
-            if labels in sizes and sizes[name] // (3 * 96 * 96) != sizes[labels]:
-                return f"{path} holds {sizes[name] // (3 * 96 * 96)} images for the {sizes[labels]} labels of {labels}"
-        elif not name.endswith(".bin"):
-            try:
-                with open(path, "rb") as f:
-                    pickle.load(f, encoding="latin1")
-            except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
-                return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
+    for name in [n for n in names if n.endswith("_X.bin")]:
+        path, labels = os.path.join(folder, name), name.replace("_X.bin", "_y.bin")
+        images = sizes[name] // (3 * 96 * 96)
+        if sizes[name] % (3 * 96 * 96):
+            return f"{path} is cut short ({sizes[name]} bytes, not whole 3x96x96 images)"
+        if labels in sizes and images != sizes[labels]:
+            return f"{path} holds {images} images for the {sizes[labels]} labels of {labels}"
+    return None
+
+
+def _not_unpickling(folder, names):
+    """'PATH does not unpickle ...' for the first CIFAR batch file cut short or damaged, else None."""
+    import pickle
+    for name in [n for n in names if not n.endswith(".bin")]:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                pickle.load(f, encoding="latin1")
+        except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
+            return (f"{os.path.join(folder, name)} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut "
+                    "short or damaged")
     return None
 
 

@@ -170,7 +170,7 @@ def build_step(training, device, cuda_graph=False, compile=False):
     step = functools.partial(train_step, training)
     if cuda_graph:
         lr_as_tensors(training.optimizer, device)
-        step = GraphedStep(training, CudaGraphs(device), GRAPH_WARMUP)
+        step = GraphedStep(training, CudaGraphs(device))
     return CompileFallback(step, training) if compile else step
 
 

@@ -240,8 +240,8 @@ def random_resized_crops(u, height, width, scale, ratio=RRC_RATIO):
 
 def jitter_table(aug, device):
     """(4, 2) float64 ranges of the jitter factors of Table 2 row `aug`, on `device`. Made before the compiled
-    view is called, once an epoch: a cache read inside the compiled function would fail its guard and compile
-    the view a second time."""
+    view is called (PreloadedViews): a cache read inside the compiled function would fail its guard and
+    compile the view a second time."""
     jitter = AUGMENTATIONS[aug][1]
     table = jitter_ranges(jitter) if jitter else [(1.0, 1.0)] * 3 + [(0.0, 0.0)]
     return torch.tensor(table, dtype=torch.float64, device=device)
@@ -309,6 +309,8 @@ class PreloadedViews:
         self.dtype = dtype or torch.float32
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.compile = compile
+        # each view's jitter ranges, made before the compiled view is called (sce.preload.jitter_table)
+        self.ranges = [jitter_table(spec.aug, images.images.device) for spec in self.specs]
         self.wait_s = 0.0  # no loader to wait for
         self.dataset = images
 
@@ -319,11 +321,10 @@ class PreloadedViews:
         per_rank = self.sampler.batch // self.sampler.world
         no_bad = torch.full((per_rank,), -1)
         stats = normalize_stats(device)
-        ranges = [jitter_table(spec.aug, device) for spec in self.specs]
         for index in order.view(-1, per_rank):
             images, rows = self.images.images[index], table[index]
             views = [run_compiled(pretrain_view, images, rows[:, k * VIEW_DRAWS:(k + 1) * VIEW_DRAWS], spec.aug,
-                                  ranges[k], spec.size, spec.scale, stats, self.dtype, self.memory_format,
+                                  self.ranges[k], spec.size, spec.scale, stats, self.dtype, self.memory_format,
                                   compile=self.compile)
                      for k, spec in enumerate(self.specs)]
             yield views, no_bad, [""] * per_rank

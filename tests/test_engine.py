@@ -360,25 +360,28 @@ CIFAR_RECIPE = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--b
 def test_preloaded_recipe_compiles_each_graph_once_in_the_first_step(tmp_path, monkeypatch, capsys):
     """RECIPES.md's CIFAR-10 setting, preloaded, --compile: over 2 epochs every module and each view compile
     once, all in the first step (a graph compiled later is a recompile, which inside a CUDA graph's capture
-    fails); --no-compile compiles nothing at all, the views included."""
+    fails); the kNN monitor after the last epoch compiles the encoder in eval mode, and says so; --no-compile
+    compiles nothing at all, the views included."""
     import main_pretrain
     data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=8, size=20, splits=("",))
+    knn = write_imagefolder(tmp_path / "knn", num_classes=2, per_class=3, size=20)
     graphs = count_compiles(monkeypatch)
     torch.set_num_threads(1)
     main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "on"), "--epochs", "2", "--compile"]
-                       + CIFAR_RECIPE)
-    compiled = sorted(name for name, _ in compiling.SECONDS)
-    # the Identity predictor has no graph; the weak and the strong view one each
-    assert compiled == ["encoder", "momentum_encoder", "momentum_projector", "pretrain_view", "pretrain_view",
-                        "projector"]
-    assert len(graphs) == 6  # nothing compiled outside them
+                       + CIFAR_RECIPE + ["--knn-data", knn, "--knn-every", "2"])
+    names = [name for name, _ in compiling.SECONDS]
+    # the Identity predictor has no graph; the weak and the strong view one each; then the monitor's
+    assert sorted(names[:6]) == ["encoder", "momentum_encoder", "momentum_projector", "pretrain_view",
+                                 "pretrain_view", "projector"]
+    assert names[6:] == ["encoder"] and len(graphs) == 7  # nothing compiled outside them
     out = capsys.readouterr().out
+    assert re.search(r"=> the kNN monitor compiled the encoder: encoder [\d.]+ s\n", out)
     assert re.search(r"=> the first step took [\d.]+ s, compiling \(each compile: pretrain_view [\d.]+ s, "
                      r"pretrain_view [\d.]+ s, momentum_encoder", out)
     assert "=> data: preloaded on cpu (0 MiB); views: on cpu, compiled; step: compiled; amp none\n" in out
     main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "off"), "--epochs", "1", "--no-compile"]
                        + CIFAR_RECIPE)
-    assert len(graphs) == 6
+    assert len(graphs) == 7
     assert "=> data: preloaded on cpu (0 MiB); views: on cpu; step: eager; amp none\n" in capsys.readouterr().out
 
 
