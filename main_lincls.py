@@ -5,7 +5,9 @@ logistic regression (--classifier logreg).
     python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
     torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
 """
+import itertools
 import json
+import math
 import os
 
 import numpy as np
@@ -16,7 +18,7 @@ import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from sce import UserError, cli, evaldata, transfer
+from sce import UserError, cli, evaldata, outdir, transfer
 from sce import distributed as du
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
 from sce.datasets import DATASETS
@@ -26,8 +28,8 @@ from sce.knn import Shard, knn_accuracy, split_features
 from sce.loader import MEAN, STD, EpochKeys, EvalSamples, collate_views, eval_crop_size
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
 from sce.preload import Images, PreloadedBatches
+from sce.preemption import CHECK_STEPS, PREEMPTED_EXIT_CODE, Preemption, ignore_stop_signals
 from sce.progress import Progress
-from sce.resume import prepare_output_dir
 
 
 def get_parser():
@@ -71,14 +73,14 @@ def get_parser():
     g.add_argument("--sgd-momentum", "--momentum", type=float, default=0.9, help="momentum of SGD / LARS")
     g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="optimizer of the head")
     g.add_argument("-p", "--print-freq", type=int, default=10, help="progress line every N steps")
-    g.add_argument("--resume", metavar="PATH", default="none",
-                   help="continue a main_lincls.py run from its checkpoint_last.pth: trunk, head, optimizer, "
-                   "scaler, epoch and best Acc@1 come from the file (no --pretrained needed) and training "
-                   "goes on to --epochs; 'auto': OUTPUT_DIR/checkpoint_last.pth if it exists, else start "
-                   "fresh; 'none': start fresh")
+    g.add_argument("--resume", metavar="PATH", default="auto",
+                   help="auto: continue the probe of OUTPUT_DIR/checkpoint_last.pth if there is one (a finished one "
+                   "reports its result again), else start; a main_lincls.py checkpoint: continue it (trunk, head, "
+                   "optimizer, epoch and best Acc@1 come from it; --pretrained, if given, must hold the same trunk); "
+                   "none: start fresh (an OUTPUT_DIR holding a probe is refused)")
     g.add_argument("-e", "--evaluate", action="store_true",
                    help="only measure val Acc@1 / Acc@5 of the head of a main_lincls.py checkpoint "
-                   "(--pretrained or --resume)")
+                   "(--pretrained), into results_evaluate.json")
     g = p.add_argument_group("kNN")
     g.add_argument("--knn-k", type=int, default=200, help="neighbours that vote")
     g.add_argument("--knn-t", type=float, default=0.07, help="temperature: votes weigh exp(cos / t)")
@@ -109,44 +111,67 @@ def main(argv=None):
     cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
+    last = os.path.join(args.output_dir, "checkpoint_last.pth")
+    probe = args.classifier == "linear" and not args.evaluate  # the one mode that writes checkpoints
+    if args.resume not in ("auto", "none") and args.classifier != "linear":
+        raise UserError(f"--resume continues a linear probe; --classifier {args.classifier} reads --pretrained")
+    if args.resume == "none" and probe and os.path.isfile(last):
+        raise UserError(f"{last} exists and --resume none would overwrite it: use --resume auto to continue (or "
+                        "report) it, or another --output-dir")
     if args.resume == "auto":
-        last = os.path.join(args.output_dir, "checkpoint_last.pth")
-        args.resume = last if os.path.isfile(last) else "none"
-    args.resume = "" if args.resume in ("none", "") else args.resume
+        args.resume = last if probe and os.path.isfile(last) else ""
+    args.resume = "" if args.resume == "none" else args.resume
     source = args.resume or args.pretrained
     if not source:
         raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
-    prepare_output_dir(args.output_dir)  # every rank, before any work: none waits for one that stopped
+    outdir.prepare(args.output_dir)  # every rank, before any work: none waits for one that stopped
 
     _, _, _, device = du.init()
+    lock = outdir.Lock(args.output_dir) if du.is_main() else None  # one run per folder, for its whole life
     try:
-        args.compile = resolve_compile(args.compile, device)
-        args.decode = cli.resolve_decode(args.decode, device)
-        trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input,
-                                           "online" if args.resume else args.encoder)
-        args.arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
-        args.small_input = isinstance(trunk.maxpool, nn.Identity)
-        args.crop_size, why, warning = eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"),
-                                                      args.dataset)
-        if du.is_main():
-            print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
-                  f"from {source}; input {args.crop_size} px ({why})", flush=True)
-            if warning:
-                print(warning, flush=True)
-        torch.manual_seed(args.seed)
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
-        trunk.to(device)
-        if args.compile:
-            compile_trunk(trunk)  # keeps the state-dict keys: the checkpoints stay those of an eager run
-        if args.classifier == "linear":
-            run_linear(args, trunk, feat_dim, ckpt, source, device)
-        elif args.classifier == "knn":
-            run_knn(args, trunk, device)
-        else:
-            run_logreg(args, trunk, source, device)
+        evaluate(args, source, device)
     finally:
+        if lock:
+            lock.release()
         du.cleanup()
+
+
+def evaluate(args, source, device):
+    args.compile = resolve_compile(args.compile, device)
+    args.decode = cli.resolve_decode(args.decode, device)
+    trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input, "online" if args.resume else args.encoder)
+    args.arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
+    args.small_input = isinstance(trunk.maxpool, nn.Identity)
+    named = trunk  # the trunk --pretrained names, which a resumed probe must hold
+    if args.resume and args.pretrained:
+        named = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)[0]
+        if outdir.trunk_digest(named) != outdir.trunk_digest(trunk):
+            raise UserError(f"{args.resume} is a probe of another trunk than {args.pretrained}'s: pass another "
+                            "--output-dir (or --resume none into an empty one) to probe this trunk")
+    if args.resume and ckpt.get("data") and (ckpt["args"]["dataset"], ckpt["data"]) != (args.dataset,
+                                                                                      os.path.abspath(args.data)):
+        raise UserError(f"{args.resume} is a probe on other data (--dataset {ckpt['args'].get('dataset')} --data "
+                        f"{ckpt.get('data')}): pass that data to continue it, or another --output-dir")
+    if du.is_main():
+        outdir.bind_evaluation(args.output_dir, args.pretrained or source, named, args.dataset, args.data)
+    args.crop_size, why, warning = eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"), args.dataset)
+    if du.is_main():
+        print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
+              f"from {source}; input {args.crop_size} px ({why})", flush=True)
+        if warning:
+            print(warning, flush=True)
+    torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    trunk.to(device)
+    if args.compile:
+        compile_trunk(trunk)  # keeps the state-dict keys: the checkpoints stay those of an eager run
+    if args.classifier == "linear":
+        run_linear(args, trunk, feat_dim, ckpt, source, device)
+    elif args.classifier == "knn":
+        run_knn(args, trunk, device)
+    else:
+        run_logreg(args, trunk, source, device)
 
 
 def loader(ds, batch, args, sampler, device, train=False):
@@ -158,7 +183,7 @@ def loader(ds, batch, args, sampler, device, train=False):
     return decoded_loader(DataLoader(EvalSamples(ds, args.seed), batch_size=batch,
                                      sampler=EpochKeys(sampler) if train else sampler, num_workers=args.workers,
                                      pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
-                                     collate_fn=collate_views), device)
+                                     collate_fn=collate_views, worker_init_fn=ignore_stop_signals), device)
 
 
 def splits(args, device, augment_train):
@@ -167,8 +192,8 @@ def splits(args, device, augment_train):
                            args.decode, args.workers, augment_train)
 
 
-def write_results(args, results):
-    with open(os.path.join(args.output_dir, f"results_{args.classifier}.json"), "w") as f:
+def write_results(args, results, name=None):
+    with open(os.path.join(args.output_dir, f"results_{name or args.classifier}.json"), "w") as f:
         json.dump(results, f, indent=2)
 
 
@@ -225,15 +250,31 @@ def attach_head(model, feat_dim, num_classes, ckpt, source, args, device):
         raise UserError(f"--resume {source} is not a main_lincls.py checkpoint (kind "
                         f"{ckpt.get('kind')!r}): pass it as --pretrained")
     elif args.evaluate:
-        raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --resume or --pretrained")
+        raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --pretrained")
 
 
-def train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, progress, device):
-    """One epoch of the head; returns the mean training loss over every rank's images."""
-    steps, world = len(train_loader), du.world_size()
-    loss_sum, seen = torch.zeros((), dtype=torch.float64, device=device), 0  # this rank's, for the epoch mean
+class ShuffledShards(DistributedSampler):
+    """DistributedSampler (seeded per epoch, also on one process, so a resumed run sees the same order) whose
+    epoch may begin after its first `start` indices: the rest of an epoch stopped midway."""
+
+    def set_epoch(self, epoch, start=0):
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), getattr(self, "start", 0), None)
+
+    def __len__(self):
+        return self.num_samples - getattr(self, "start", 0)
+
+
+def train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, start, steps, sums, progress, preemption,
+                    device):
+    """The head's steps of one epoch from step `start` of its `steps`; sums: this rank's (loss sum, images) of
+    the epoch so far, a device tensor added to. Returns the step to resume from if a stop was requested (its
+    state is for the caller to save), else None."""
     first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
-    for i, (images, target) in enumerate(train_loader):
+    for i, (images, target) in enumerate(train_loader, start=start):
         if args.schedule == "cosine":
             set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr, args.warmup_epochs * steps))
         images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
@@ -246,16 +287,17 @@ def train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, progress,
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        loss_sum += loss.detach().double() * len(images)
-        seen += len(images)
-        progress.update(len(images) * world)
+        sums += torch.stack([loss.detach().double() * len(images), sums.new_tensor(float(len(images)))])
+        progress.update(len(images) * du.world_size())
         if (i + 1) % args.print_freq == 0 or i + 1 == steps:
             check_finite(first_bad, epoch)
             if du.is_main():
                 print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
                       f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
-    totals = du.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(float(seen))]))
-    return (totals[0] / totals[1].clamp(min=1)).item()
+        if (i + 1) % min(args.print_freq, CHECK_STEPS) == 0 and i + 1 < steps and preemption.requested():
+            check_finite(first_bad, epoch)
+            return i + 1
+    return None
 
 
 def run_linear(args, model, feat_dim, ckpt, source, device):
@@ -268,8 +310,8 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
     reference = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
 
     per_rank = args.batch_size // world
-    # seeded per epoch (also on one process) so a resumed run sees the same order
-    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    sampler = ShuffledShards(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    steps = math.ceil(sampler.num_samples / per_rank)
     train_loader = loader(train_ds, per_rank, args, sampler, device, train=True)
     val_loader = loader(val_ds, per_rank, args, Shard(len(val_ds)), device)  # every val image on one rank
 
@@ -277,7 +319,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
         acc1, acc5, loss = validate(model, val_loader, device, args.amp)
         if du.is_main():
             print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
-            write_results(args, {"evaluate": source, "acc1": acc1, "acc5": acc5})
+            write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
         return
 
     # DDP only all-reduces parameters that require grad: here those of fc
@@ -286,28 +328,59 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, args.sgd_momentum,
                                 exclude_bias_norm=True)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    start_epoch, best_acc1 = 0, -1.0  # the first evaluated epoch is always the best so far
+    start_epoch, start_step, best_acc1 = 0, 0, -1.0  # the first evaluated epoch is always the best so far
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and images of the epoch
+    acc1 = acc5 = None
     if args.resume:
         load_optimizer_state(optimizer, ckpt["optimizer"])
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, best_acc1 = ckpt["epoch"], ckpt.get("best_acc1", 0.0)
+        start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step_in_epoch", 0), ckpt.get("best_acc1", 0.0)
+        acc1, acc5 = ckpt.get("acc1"), ckpt.get("acc5")
+        if start_step and rank == 0:  # the epoch's sums so far, over every rank
+            sums += torch.tensor(ckpt["epoch_sums"], dtype=torch.float64, device=device)
+        begun = start_epoch + (start_step > 0)
+        if begun > args.epochs:
+            raise UserError(f"{source} is at epoch {begun}, --epochs {args.epochs} is below it: pass --epochs "
+                            f"{begun} or more to continue it, or another --output-dir to start afresh")
         if du.is_main():
-            print(f"=> resumed from {source} at epoch {start_epoch} (best Acc@1 {best_acc1:.2f})", flush=True)
+            print(f"=> resumed from {source} at epoch {start_epoch}" + (f" step {start_step}" if start_step else "")
+                  + f" (best Acc@1 {best_acc1:.2f})", flush=True)
 
-    writer = cli.summary_writer(args.output_dir) if du.is_main() else None
+    def state(epoch, step_in_epoch=0, epoch_sums=None):
+        return {"kind": "lincls", "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_sums": epoch_sums,
+                "args": vars(args), "data": os.path.abspath(args.data), "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "best_acc1": best_acc1,
+                "acc1": acc1, "acc5": acc5}
+
+    if start_epoch == args.epochs and acc1 is None:  # a finished probe of an older version: measured again
+        acc1, acc5, _ = validate(model, val_loader, device, args.amp)
+    writer = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
+    preemption = Preemption(world, timeout_s=600)
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
-    progress = Progress((args.epochs - start_epoch) * len(sampler) * world)
-    acc1 = acc5 = None
+    progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * per_rank) * world)
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch, start_step * per_rank)
         if isinstance(train_loader, PreloadedBatches):
             train_loader.set_epoch(epoch)  # its crops and flips
         if args.schedule == "step":
             set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
-        train_loss = train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, progress, device)
+        stopped_at = train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, start_step, steps, sums,
+                                     progress, preemption, device)
+        if stopped_at is not None:  # a stop request mid-epoch: save the exact position and leave
+            totals = du.all_reduce_sum(sums.clone()).tolist()
+            if du.is_main():
+                save_atomic(state(epoch, stopped_at, totals), os.path.join(args.output_dir, "checkpoint_last.pth"))
+                print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; exiting with code "
+                      f"{PREEMPTED_EXIT_CODE}", flush=True)
+            du.barrier()
+            preemption.exit(writer)
+        start_step = 0
         if epoch == start_epoch:
             check_frozen(model, reference)
+        totals = du.all_reduce_sum(sums.clone())
+        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
+        sums.zero_()
         acc1, acc5, val_loss = validate(model, val_loader, device, args.amp)
         is_best = acc1 > best_acc1
         best_acc1 = max(acc1, best_acc1)
@@ -319,17 +392,22 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
                                    ("val/acc1", acc1), ("val/acc5", acc5), ("val/loss", val_loss)]:
                     writer.add_scalar(tag, value, epoch + 1)
                 writer.flush()
-            state = {"kind": "lincls", "epoch": epoch + 1, "args": vars(args), "model": model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                     "best_acc1": best_acc1, "acc1": acc1, "acc5": acc5}
-            save_atomic(state, os.path.join(args.output_dir, "checkpoint_last.pth"))
+            save_atomic(state(epoch + 1), os.path.join(args.output_dir, "checkpoint_last.pth"))
             if is_best:
-                save_atomic(state, os.path.join(args.output_dir, "model_best.pth"))
+                save_atomic(state(epoch + 1), os.path.join(args.output_dir, "model_best.pth"))
+        if epoch + 1 < args.epochs and preemption.requested():
+            if du.is_main():
+                print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
+            preemption.exit(writer)
     if writer:
         writer.close()
     if du.is_main():
-        print(f"best Acc@1 {best_acc1:.2f}", flush=True)
-        write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs})
+        if start_epoch == args.epochs:
+            print(f"=> the probe in {args.output_dir} is already complete ({args.epochs} epochs): its result is "
+                  "reported again; raise --epochs to train longer", flush=True)
+        print(f"Acc@1 {acc1:.2f} (best Acc@1 {best_acc1:.2f})", flush=True)
+        write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs,
+                             "pretrained": os.path.abspath(args.pretrained or source)})
 
 
 # ---------------------------------------------------------------- features (kNN, logistic regression)

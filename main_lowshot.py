@@ -26,13 +26,12 @@ import numpy as np
 import torch
 import torchvision.transforms as T
 
-from sce import UserError, cli, transfer
+from sce import UserError, cli, outdir, transfer
 from sce.checkpoint import checkpoint_arch, load_trunk
 from sce.device_decode import DecodedEval
 from sce.engine import compile_trunk, resolve_compile
 from sce.knn import split_features
 from sce.loader import MEAN, STD, eval_crop_size, eval_resize
-from sce.resume import prepare_output_dir
 
 
 def shots_arg(value):
@@ -96,11 +95,20 @@ def main(argv=None):
     if args.cost_selection == "cv" and any(k != "full" and k < 2 for k in args.shots):
         raise UserError("--cost-selection cv cross-validates on the training draw and needs --shots >= 2 "
                         "(or 'full')")
-    prepare_output_dir(args.output_dir)  # an unwritable one stops here, not after the features
+    outdir.prepare(args.output_dir)  # an unwritable one stops here, not after the features
+    lock = outdir.Lock(args.output_dir)  # one run per folder, for its whole life
+    try:
+        lowshot(args)
+    finally:
+        lock.release()
+
+
+def lowshot(args):
     # the VOC tree first: a broken one fails before any feature is computed
     trainval_paths, trainval_y = transfer.read_voc07(args.data, "trainval")
     test_paths, test_y = transfer.read_voc07(args.data, "test")
     trunk, feat_dim, ckpt = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)
+    outdir.bind_evaluation(args.output_dir, args.pretrained, trunk, "voc07", args.data)
     arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
     small_input = isinstance(trunk.maxpool, torch.nn.Identity)
     crop, why, warning = eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")

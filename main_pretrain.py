@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from sce import UserError, checkpoint, cli, compiling, evaldata, losses
+from sce import UserError, checkpoint, cli, compiling, evaldata, losses, outdir
 from sce import distributed as du
 from sce.augment import AUGMENTATIONS, MIN_BLUR_SIZE, pretrain_views
 from sce.builder import ARCHS, SCE
@@ -31,7 +31,7 @@ from sce.optim import build_optimizer
 from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
 from sce.preload import PreloadedViews, preload, wanted
 from sce.preview import write_preview
-from sce.resume import check_ranks_agree, prepare_output_dir, resume, run_state
+from sce.resume import check_ranks_agree, data_identity, resume, run_state
 
 
 # method -> (loss, tau, tau_m, online aug, target aug); a flag given on the command line wins
@@ -262,8 +262,18 @@ def main(argv=None):
     if world_size > 1:
         check_ranks_agree(args)
     bn_splits = check_world(args, world_size, device)
+    lock = None
     if rank == 0 and not args.preview_views:
-        prepare_output_dir(args.output_dir)
+        outdir.prepare(args.output_dir)
+        lock = outdir.Lock(args.output_dir)  # one run per folder, held until this run ends, however it ends
+    try:
+        pretrain(args, rank, world_size, device, bn_splits)
+    finally:
+        if lock:
+            lock.release()
+
+
+def pretrain(args, rank, world_size, device, bn_splits):
     settings = dict(vars(args))  # the resolved settings of this run, for args.json once it is accepted
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -300,8 +310,22 @@ def main(argv=None):
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    start_epoch, start_step = resume(args, model, optimizer, scaler, rank, len(dataset))
-    if check_epochs(args, start_epoch, start_step, rank):
+    data = data_identity(dataset)
+    start_epoch, start_step, last_stats = resume(args, model, optimizer, scaler, rank, data)
+    check_epochs(args, start_epoch, start_step)
+    # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
+    unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
+    writer = cli.summary_writer(args.output_dir) if rank == 0 and (unlogged or start_epoch < args.epochs) else None
+    if unlogged:
+        if rank == 0:
+            print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
+        log_epoch(args, model, start_epoch, last_stats, knn_sets, device, writer)
+    if start_epoch == args.epochs:
+        if rank == 0:
+            print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
+                  "raise --epochs to train longer", flush=True)
+        if writer:
+            writer.close()
         du.cleanup()
         return
     if rank == 0:
@@ -311,7 +335,6 @@ def main(argv=None):
         compile_model(model)
 
     ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
-    writer = cli.summary_writer(args.output_dir) if rank == 0 else None
     preemption = Preemption(world_size, args.dist_timeout)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
@@ -332,14 +355,14 @@ def main(argv=None):
         if stopped_at is not None:  # preempted mid-epoch: save the exact position and leave
             if rank == 0:
                 checkpoint.save(run_state(model, optimizer, scaler, args, epoch, stopped_at,
-                                           epoch * run.steps_per_epoch + stopped_at, sampler.n), args.output_dir)
+                                           epoch * run.steps_per_epoch + stopped_at, data), args.output_dir)
                 print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; "
                       f"exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
             du.barrier()
             preemption.exit(writer)
         start_step = 0
         epochs_done_here += 1
-        end_epoch(run, epoch + 1, knn_sets)
+        end_epoch(run, epoch + 1, knn_sets, data)
         if preemption.requested() and epoch + 1 < args.epochs:
             if rank == 0:
                 print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
@@ -357,18 +380,25 @@ def main(argv=None):
     du.cleanup()
 
 
-def check_epochs(args, start_epoch, start_step, rank):
-    """--epochs against the checkpoint resumed: below it, an error; at it, True (the run is complete)."""
+def check_epochs(args, start_epoch, start_step):
+    """--epochs below the checkpoint resumed is an error."""
     begun = start_epoch + (start_step > 0)
     if begun > args.epochs:
         raise UserError(f"the checkpoint is at epoch {begun}, --epochs {args.epochs} is below it: pass --epochs "
                         f"{begun} or more to continue it, or another --output-dir to start afresh")
-    if start_epoch == args.epochs:
-        if rank == 0:
-            print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
-                  "raise --epochs to train longer", flush=True)
-        return True
-    return False
+
+
+def epochs_logged(output_dir):
+    """The last epoch with a line in output_dir/log.txt (0 without one), as rank 0 reads it."""
+    last = 0
+    if du.is_main() and os.path.isfile(os.path.join(output_dir, "log.txt")):
+        with open(os.path.join(output_dir, "log.txt")) as f:
+            for line in f:
+                try:
+                    last = json.loads(line)["epoch"]
+                except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+                    pass
+    return du.all_gather_object(last)[0]
 
 
 def resolve_device_defaults(args, device, world_size):
@@ -430,25 +460,32 @@ def check_world(args, world_size, device):
     return bn_splits
 
 
-def end_epoch(run, done, knn_sets):
-    """After `done` epochs: save (rank 0; seconds for a ResNet-50 and its queue, while the other
-    ranks wait at the kNN monitor or the barrier), the kNN monitor on every rank, a line of log.txt."""
+def end_epoch(run, done, knn_sets, data):
+    """After `done` epochs: save (rank 0; seconds for a ResNet-50 and its queue, while the other ranks
+    wait at the kNN monitor or the barrier), then the epoch's line of log.txt with its kNN. The checkpoint
+    holds the line's statistics: a run stopped between the two completes the line when rerun."""
     args, t = run.args, run.training
     if du.is_main():
-        checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch,
-                                  run.sampler.n),
+        checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch, data,
+                                  run.epoch_stats),
                         args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
                         keep=args.keep_checkpoints)
-    log = dict(epoch=done, **run.epoch_stats)
+    log_epoch(args, t.model, done, run.epoch_stats, knn_sets, run.device, run.writer)
+
+
+def log_epoch(args, model, done, stats, knn_sets, device, writer):
+    """Epoch `done`'s line of log.txt (one JSON line per epoch, as DINO's): its statistics, and the kNN
+    monitor's numbers when due (every rank computes them)."""
+    log = dict(epoch=done, **stats)
     if knn_sets and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
-        log["knn_top1"], log["knn_top5"] = knn_monitor(args, t.model, knn_sets, run.device)
+        log["knn_top1"], log["knn_top5"] = knn_monitor(args, model, knn_sets, device)
         if du.is_main():
             print(f"=> epoch {done}: kNN top-1 {log['knn_top1']:.2f} top-5 {log['knn_top5']:.2f}", flush=True)
-        if run.writer:
-            run.writer.add_scalar("knn/top1", log["knn_top1"], done)
-            run.writer.add_scalar("knn/top5", log["knn_top5"], done)
+        if writer:
+            writer.add_scalar("knn/top1", log["knn_top1"], done)
+            writer.add_scalar("knn/top5", log["knn_top5"], done)
     if du.is_main():
-        with open(os.path.join(args.output_dir, "log.txt"), "a") as f:  # one JSON line per epoch, as DINO
+        with open(os.path.join(args.output_dir, "log.txt"), "a") as f:
             f.write(json.dumps(log) + "\n")
     du.barrier()
 

@@ -6,16 +6,24 @@
 #
 #   bash benchmarks/reproduce.sh DATASET DATA_DIR [OUT_DIR]    DATASET: cifar10, cifar100, stl10 or tiny-imagenet
 #                                                               (OUT_DIR: runs/reproduce/DATASET)
-#   METHODS="sce moco" bash benchmarks/reproduce.sh ...         some of: sce ressl moco (default: all three)
-#   SMOKE=1 bash benchmarks/reproduce.sh ...                    the whole script on CPU in a minute: 1 epoch each,
-#                                                               16 px crops, a tiny head (an ImageFolder: 26 train
-#                                                               and 10 val images a class)
+#   METHODS="sce moco" bash benchmarks/reproduce.sh ...         some of: sce ressl moco (default: all three); the
+#                                                               table holds every method finished in OUT_DIR
+#   SMOKE=1 bash benchmarks/reproduce.sh ...                    the whole script on CPU in a minute or two: 1 epoch
+#                                                               each, 16 px crops, a tiny head, on a small ImageFolder
+#                                                               written from DATA_DIR (10 classes, 16 train and 8
+#                                                               val images a class)
 #   DRY_RUN=1 bash benchmarks/reproduce.sh ...                  check DATA_DIR, print each stage's command, run none
+#   PYTHON=/path/to/python bash benchmarks/reproduce.sh ...     the interpreter (default: .venv/bin/python of this
+#                                                               repository if there is one, else python3)
 # DATA_DIR: the official download (cifar-10-batches-py/, cifar-100-python/, stl10_binary/, tiny-imagenet-200/
 # with val/val_annotations.txt), that folder itself, or for CIFAR train/ and val/ class folders of image files.
+# Before any training, every file of an official layout is read (and its images counted against its labels), and
+# every image Tiny-ImageNet's val_annotations.txt lists must exist; an ImageFolder's files are listed, not decoded.
 # STL-10 pretrains on train + unlabeled (105,000 images) and its linear probe trains on train (5,000).
-# After the first method's first epoch, a line per stage gives its estimated time on this machine. Interrupted
-# (SIGTERM, SIGINT, SIGUSR1: the running stage saves and stops), the same command continues where it stopped.
+# After the first method's first epoch, a line per stage gives its estimated time on this machine; each stage shows
+# a line per epoch here, its whole output going to OUT_DIR/METHOD.STAGE.log. Interrupted (SIGTERM, SIGINT,
+# SIGUSR1: the running stage saves and stops; killed outright: the stage stops by itself within seconds), the same
+# command continues where it stopped. One invocation at a time may use an OUT_DIR.
 # On a GPU the images are preloaded there and the step runs in bf16 from a CUDA graph; the loss itself runs in
 # fp32 (sce/builder.py). Lossy JPEG folders give somewhat lower numbers than the official pixels.
 set -euo pipefail
@@ -24,8 +32,12 @@ DATASET=${1:?$usage}
 DATA=$(realpath -m "${2:?$usage}")  # the caller's paths, before the cd
 OUT=$(realpath -m "${3:-$(dirname "$0")/../runs/reproduce/$DATASET$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
 cd "$(dirname "$0")/.."
-METHODS=${METHODS:-sce ressl moco}
-PYTHON=${PYTHON:-python}
+METHODS=${METHODS-sce ressl moco}
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
+fi
+command -v "${PYTHON%% *}" > /dev/null || { echo "error: no Python interpreter '$PYTHON': pass PYTHON=/path/to/python" \
+    "(the one requirements.txt was installed into)" >&2; exit 1; }
 
 # RECIPES.md's setting of each dataset: crop, EMA momentum, queue, SCE's temperatures (supp. Table 10's best)
 case $DATASET in
@@ -35,6 +47,7 @@ case $DATASET in
     tiny-imagenet) CROP=64 EMA=0.996 QUEUE=16384 SCE_TEMPS="--tau 0.1 --tau-m 0.07" ;;
     *) echo "error: unknown dataset '$DATASET': use cifar10, cifar100, stl10 or tiny-imagenet" >&2; exit 1 ;;
 esac
+[ -n "${METHODS// /}" ] || { echo "error: METHODS is empty: use some of sce ressl moco (or leave it unset: all)" >&2; exit 1; }
 for method in $METHODS; do
     case $method in sce|ressl|moco) ;; *) echo "error: unknown method '$method' in METHODS: use sce, ressl or moco" >&2; exit 1 ;; esac
 done
@@ -46,26 +59,22 @@ PRETRAIN="--arch resnet18 --small-input --crop-size $CROP --batch-size 256 --epo
           --proj-last-bn none --shuffle-bn --bn-splits 8 --queue-size $QUEUE --knn-every 20"
 LINEAR=""  # the linear probe's flags beyond its defaults (100 epochs, lr 30, x0.1 at 60 and 80, batch 256)
 
-# which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
 mkdir -p "$OUT"
-$PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" || exit 1
+# one invocation per OUT_DIR: the lock dies with this shell (the stages hold their own folders' locks)
+if command -v flock > /dev/null; then
+    exec 9>> "$OUT/.lock"
+    flock -n 9 || { echo "error: $OUT is in use by another reproduce.sh ($(cat "$OUT/.lock.pid" 2>/dev/null ||
+        echo "its PID unknown")): wait for it to end or stop it, or pass another OUT_DIR" >&2; exit 1; }
+    echo "PID $$" > "$OUT/.lock.pid"
+fi
+# which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
+$PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" 9>&- || exit 1
+if [ "${SMOKE:-0}" = 1 ]; then  # checks the script, not the numbers: a small ImageFolder of the data
+    $PYTHON benchmarks/reproduce_tools.py smoke "$OUT/data.env" "$OUT/smoke_data" 9>&- || exit 1
+fi
 # shellcheck disable=SC1091
 source "$OUT/data.env"  # FORMAT (the --dataset of the scripts), ROOT, split sizes, DEVICE (cpu or the GPU's name)
-if [ "${SMOKE:-0}" = 1 ]; then  # checks the script, not the numbers
-    if [ "$FORMAT" = imagefolder ]; then  # a subset of the images (symbolic links)
-        SUBSET="$OUT/smoke_data"
-        rm -rf "$SUBSET"
-        for split in train val; do
-            per_class=$([ $split = train ] && echo 26 || echo 10)
-            for class_dir in "$ROOT/$split"/*/; do
-                class_dir=$(cd "$class_dir" && pwd)
-                mkdir -p "$SUBSET/$split/${class_dir##*/}"
-                mapfile -t files < <(find "$class_dir" -maxdepth 1 -type f | sort)
-                (( ${#files[@]} )) && ln -s "${files[@]:0:$per_class}" "$SUBSET/$split/${class_dir##*/}/"
-            done
-        done
-        ROOT=$SUBSET
-    fi
+if [ "${SMOKE:-0}" = 1 ]; then
     PRETRAIN="$PRETRAIN --epochs 1 --crop-size 16 --batch-size 8 --bn-splits 2 --queue-size 32 --proj-hidden-dims 32
               --proj-dim 16 --knn-every 1 --workers 0 --print-freq 1 --no-compile"
     LINEAR="--epochs 1 --batch-size 8 --workers 0 --no-compile"
@@ -81,20 +90,28 @@ child=0
 forward() { [ "$child" -gt 0 ] && kill -TERM "$child" 2>/dev/null; stopping=1; }
 stopping=0
 trap forward TERM INT USR1
-# stage NAME LOG CMD...: runs CMD with its output in LOG, adds its wall time (ms) to $OUT/times
+# the lines of a stage shown here: an epoch's last progress line and result, the kNN, resumes, stops, warnings
+SHOWN='^(Epoch \[[0-9]+/[0-9]+\]\[([0-9]+)/\2\]|Epoch [0-9]+/[0-9]+:|=> (epoch|resum|preempted|the run|the probe)|warning|error)'
+# stage NAME LOG CMD...: runs CMD with its output in LOG (and SHOWN's lines here), adds its wall time (ms) to $OUT/times
 stage() {
-    local name=$1 log=$2 start code
+    local name=$1 log=$2 start code lines shown
     shift 2
     echo "=== $name: $*"
     [ "${DRY_RUN:-0}" = 1 ] && return
     start=$(date +%s%N)
-    "$@" >> "$log" 2>&1 &
+    touch "$log"
+    lines=$(wc -l < "$log")
+    SCE_PARENT_PID=$$ "$@" >> "$log" 2>&1 9>&- &
     child=$!
+    tail -s 0.2 -n +$((lines + 1)) --pid="$child" -f "$log" 2> /dev/null | grep --line-buffered -E "$SHOWN" \
+        | sed -u 's/^/   /' &
+    shown=$!
     wait "$child" && code=0 || code=$?
     while kill -0 "$child" 2>/dev/null; do  # a trapped signal ended the first wait: let the stage save
         wait "$child" && code=0 || code=$?
     done
     child=0
+    wait "$shown" 2> /dev/null || true
     echo "$name $(( ($(date +%s%N) - start) / 1000000 ))" >> "$OUT/times"
     if (( code != 0 || stopping )); then
         echo "error: $name stopped (exit $code); the end of $log:" >&2
@@ -117,7 +134,7 @@ for method in $METHODS; do
         stage "$method pretrain" "$OUT/$method.pretrain.log" "${pretrain[@]}" --stop-after-epochs 1
         # shellcheck disable=SC2086
         $PYTHON benchmarks/reproduce_tools.py estimate "$OUT/$method.pretrain.log" "$OUT/data.env" "$PRETRAIN" \
-            "$LINEAR" $METHODS
+            "$LINEAR" $METHODS 9>&-
     fi
     first=0
     if [ "$(epochs_done "$run")" != "$EPOCHS" ]; then
@@ -129,4 +146,4 @@ for method in $METHODS; do
             --pretrained "$run/checkpoint_last.pth" $LINEAR --resume auto --output-dir "$run/linear"
     fi
 done
-[ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduce_tools.py table "$DATASET" "$OUT" $METHODS
+[ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduce_tools.py table "$DATASET" "$OUT" $METHODS 9>&-

@@ -3,10 +3,13 @@
 
     check DATASET DATA_DIR ENV_FILE       which layout DATA_DIR holds, read whole; writes FORMAT, ROOT and the
                                           split sizes as shell variables to ENV_FILE
+    smoke ENV_FILE DIR                    SMOKE=1: a small ImageFolder in DIR (the first 10 classes, 16 train and
+                                          8 val images each) written from ENV_FILE's data; ENV_FILE then names it
     estimate LOG ENV_FILE PRETRAIN LINEAR METHOD...
                                           each stage's estimated time, from the rate of the first epoch's last
                                           progress line in LOG
-    table DATASET OUT_DIR METHOD...       the results beside the paper's: OUT_DIR/results.md and results.json
+    table DATASET OUT_DIR METHOD...       the results beside the paper's: OUT_DIR/results.md and results.json, with
+                                          every method finished in OUT_DIR (METHODS of this run or of an earlier one)
 """
 import json
 import os
@@ -22,7 +25,7 @@ PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
          "cifar100": {"sce": 65.45, "ressl": 64.01, "moco": 61.00},
          "stl10": {"sce": 89.94, "ressl": 89.05, "moco": 86.53},
          "tiny-imagenet": {"sce": 51.90, "ressl": 49.47, "moco": 45.93}}
-NAMES = {"sce": "SCE", "ressl": "ReSSL", "moco": "MoCo v2"}
+NAMES = {"sce": "SCE", "ressl": "ReSSL", "moco": "MoCo v2"}  # in the table's order
 # dataset -> the folder of its official download, and what that folder holds
 OFFICIAL = {"cifar10": ("cifar-10-batches-py", "CIFAR-10's python batches"),
             "cifar100": ("cifar-100-python", "CIFAR-100's python batches"),
@@ -59,9 +62,41 @@ def check(dataset, data, env_file):
     print(f"=> {dataset}: {found} under {data}: {len(pretrain)} pretraining images, {len(train)} train / {len(val)} "
           "val images for the linear probe and the kNN", flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    write_env(env_file, FORMAT=fmt, ROOT=root, PRETRAIN_IMAGES=len(pretrain), TRAIN_IMAGES=len(train), DEVICE=device,
+              TORCH=torch.__version__)
+
+
+def write_env(env_file, **variables):
     with open(env_file, "w") as f:
-        f.write(f"FORMAT={fmt}\nROOT={shlex.quote(root)}\nPRETRAIN_IMAGES={len(pretrain)}\nTRAIN_IMAGES={len(train)}\n"
-                f"DEVICE={shlex.quote(device)}\nTORCH={torch.__version__}\n")
+        f.write("".join(f"{k}={shlex.quote(str(v))}\n" for k, v in variables.items()))
+
+
+SMOKE_CLASSES, SMOKE_IMAGES = 10, {"train": 16, "val": 8}
+
+
+def smoke(env_file, folder):
+    """The first SMOKE_CLASSES classes' first images of each split, as PNG files of an ImageFolder (the same
+    files at every rerun, so that a stopped SMOKE run resumes); env_file then points at it."""
+    env = read_env(env_file)
+    from sce.evaldata import read_splits
+    if not os.path.isfile(os.path.join(folder, ".complete")):
+        for split, ds in zip(("train", "val"), read_splits(env["FORMAT"], env["ROOT"])[:2]):
+            taken = {}
+            for i, target in enumerate(ds.targets):
+                if target < SMOKE_CLASSES and taken.get(target, 0) < SMOKE_IMAGES[split]:
+                    taken[target] = taken.get(target, 0) + 1
+                    os.makedirs(os.path.join(folder, split, f"class_{target:03d}"), exist_ok=True)
+                    ds[i][0].save(os.path.join(folder, split, f"class_{target:03d}", f"{i:06d}.png"))
+        classes = set(os.listdir(os.path.join(folder, "train"))) | set(os.listdir(os.path.join(folder, "val")))
+        for split in SMOKE_IMAGES:  # the same class folders in both (an empty one where a split has none)
+            for name in classes:
+                os.makedirs(os.path.join(folder, split, name), exist_ok=True)
+        open(os.path.join(folder, ".complete"), "w").close()
+    count = {split: sum(len(files) for _, _, files in os.walk(os.path.join(folder, split))) for split in SMOKE_IMAGES}
+    print(f"=> SMOKE: {count['train']} train / {count['val']} val images of {env['FORMAT']}'s first {SMOKE_CLASSES} "
+          f"classes, as an ImageFolder in {folder}", flush=True)
+    write_env(env_file, **dict(env, FORMAT="imagefolder", ROOT=folder, PRETRAIN_IMAGES=count["train"],
+                               TRAIN_IMAGES=count["train"]))
 
 
 def flag(flags, name, default):
@@ -91,19 +126,48 @@ def estimate(log, env_file, pretrain_flags, linear_flags, methods):
             print(f"   {method} {name}: {n} epochs x {images} images: {n * images / per_s / 60:.1f} min", flush=True)
 
 
+def finished(out, method):
+    """The results of a method's run in OUT_DIR: (results_linear.json, the last line of log.txt, args.json), or
+    None while its linear probe has no result."""
+    run = os.path.join(out, method)
+    if not os.path.isfile(os.path.join(run, "linear", "results_linear.json")):
+        return None
+    read = [os.path.join(run, name) for name in ("linear/results_linear.json", "log.txt", "args.json")]
+    missing = next((path for path in read if not os.path.isfile(path)), None)
+    if missing:
+        raise UserError(f"{missing} not found, though the linear probe of {method} finished: run the same command "
+                        "again (or remove the folder of that method to train it afresh)")
+    linear = json.load(open(read[0]))
+    lines = [json.loads(line) for line in open(read[1]) if line.strip()]
+    if linear.get("acc1") is None:
+        raise UserError(f"{read[0]} holds no top-1 (written by an older version after its probe had finished): remove "
+                        "it and run the same command again to report it")
+    return linear, lines[-1], json.load(open(read[2]))
+
+
 def table(dataset, out, methods):
-    times = {}
-    for line in open(os.path.join(out, "times")).read().splitlines():
-        name, ms = line.rsplit(" ", 1)
-        times[name] = times.get(name, 0) + int(ms) / 1000  # a stage run in several invocations adds up
     rows = {}
-    for m in methods:
-        linear = json.load(open(os.path.join(out, m, "linear", "results_linear.json")))
-        epochs = [json.loads(line) for line in open(os.path.join(out, m, "log.txt"))]
-        knn = next((e["knn_top1"] for e in reversed(epochs) if "knn_top1" in e), None)
-        rows[m] = dict(linear_top1=linear["acc1"], linear_best_top1=linear["best_acc1"], knn_top1=knn,
-                       paper_linear_top1=PAPER[dataset][m], pretrain_s=round(times.get(f"{m} pretrain", 0)),
-                       linear_s=round(times.get(f"{m} linear", 0)))
+    for m in NAMES:
+        results = finished(out, m)
+        if results is None:
+            if m in methods:
+                raise UserError(f"the linear probe of {m} has no result in {os.path.join(out, m, 'linear')}: run the "
+                                "same command again")
+            continue
+        linear, last, settings = results
+        if last["epoch"] != settings["epochs"]:
+            raise UserError(f"{os.path.join(out, m, 'log.txt')} ends at epoch {last['epoch']} of {settings['epochs']}: "
+                            "run the same command again to complete it")
+        rows[m] = dict(linear_top1=linear["acc1"], linear_best_top1=linear["best_acc1"],
+                       knn_top1=last.get("knn_top1"),  # the last epoch's, never an earlier one's
+                       paper_linear_top1=PAPER[dataset][m], pretrain_s=None, linear_s=None)
+    times = {}
+    if os.path.isfile(os.path.join(out, "times")):
+        for line in open(os.path.join(out, "times")).read().splitlines():
+            name, ms = line.rsplit(" ", 1)
+            times[name] = times.get(name, 0) + int(ms) / 1000  # a stage run in several invocations adds up
+    for m, row in rows.items():
+        row.update(pretrain_s=round(times.get(f"{m} pretrain", 0)), linear_s=round(times.get(f"{m} linear", 0)))
     env = read_env(os.path.join(out, "data.env"))
     device, version = env["DEVICE"], env["TORCH"]
     results = dict(dataset=dataset, device=device, torch=version, methods=rows)
@@ -126,6 +190,8 @@ def main(argv):
     command, rest = argv[0], argv[1:]
     if command == "check":
         check(*rest)
+    elif command == "smoke":
+        smoke(*rest)
     elif command == "estimate":
         estimate(*rest[:4], rest[4:])
     else:

@@ -10,6 +10,7 @@ wherever a trunk is read.
 import glob
 import os
 import re
+import shutil
 
 import torch
 
@@ -22,12 +23,15 @@ def save_atomic(obj, path):
     full disk leaves the previous file intact."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    # temp files of writers killed mid-write (SIGKILL, OOM): each is a full checkpoint, they would fill the disk
+    # temp files of writers killed mid-write (SIGKILL, OOM): each is a full checkpoint, they would fill the disk;
+    # a live process's is its write in progress
     for stale in glob.glob(os.path.join(folder, f".{glob.escape(os.path.basename(path))}.tmp*")):
-        try:
-            os.remove(stale)
-        except OSError:
-            pass
+        pid = stale.rsplit(".tmp", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or not alive(int(pid)):
+            try:
+                os.remove(stale)
+            except OSError:
+                pass
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -43,7 +47,20 @@ def save_atomic(obj, path):
         if os.path.exists(tmp):
             os.remove(tmp)
         reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"could not write checkpoint {path} ({reason}); the previous checkpoint is kept") from e
+        free = shutil.disk_usage(folder).free / 2 ** 20
+        raise UserError(f"could not write checkpoint {path} ({reason}; {free:.0f} MiB free on its disk: free some "
+                        "space or pass another --output-dir); the previous checkpoint is kept") from e
+
+
+def alive(pid):
+    """Whether process `pid` exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def save(state, output_dir, numbered=False, keep=0):
@@ -69,6 +86,12 @@ def load(path):
                         f"{os.path.join(path, 'checkpoint_last.pth')}")
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist: check the path")
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or its legacy pickle
+        shown = head[:24].decode("ascii", "replace").splitlines()[0] if head.strip() else "nothing"
+        raise UserError(f"{path} is not a PyTorch checkpoint (it begins {shown!r}, not as a file of torch.save): "
+                        "pass the checkpoint_last.pth of a run")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

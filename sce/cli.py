@@ -5,8 +5,10 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -154,12 +156,56 @@ def run(main):
     names the first rank that failed and its message, whatever its peers raise next. A UserError
     then ends as one line `error: ...` on stderr, exit status 1, no traceback; any other exception
     keeps its traceback. Whatever the exit, its loader workers end with it."""
+    stop_with_parent()
     try:
         record(main, _ErrorFile())()
     except UserError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {one_line(e)}")
     finally:
         end_workers()
+
+
+def one_line(error):
+    """A UserError's message. Raised in a loader worker, torch raises it again in the main process with the
+    worker's traceback as its message: the last line, the error's own, is kept."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    return re.sub(r"^[\w.]+: ", "", text.splitlines()[-1])  # without the exception's name
+
+
+PARENT_PID = "SCE_PARENT_PID"  # set by benchmarks/reproduce.sh: its stages stop when it dies
+
+
+def stop_with_parent():
+    """With SCE_PARENT_PID set, a thread sends this process SIGTERM once that process has ended (gone, or a
+    zombie its own parent has not reaped yet), or once this process's parent changed (it was reparented): a
+    stage of a killed reproduce.sh saves and stops (before training, just stops) instead of training on, orphaned."""
+    watched = os.environ.pop(PARENT_PID, None)
+    if not watched:
+        return
+    parent = os.getppid()
+
+    def ended(pid):
+        if os.path.isdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+        try:  # no /proc: whether the process exists
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's
+            pass
+        return False
+
+    def watch():
+        while os.getppid() == parent and not ended(int(watched)):
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, daemon=True, name="stop-with-parent").start()
 
 
 def end_workers():

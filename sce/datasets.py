@@ -1,6 +1,7 @@
 """Dataset readers: image files of any mode as RGB (PIL, or libjpeg-turbo into a tensor), ImageFolder with
 class lists (ImageNet100), Tiny-ImageNet's val annotations, CIFAR's python batches and STL10's binaries with
 a partial download named, and the demo's digits."""
+import hashlib
 import io
 import os
 import warnings
@@ -90,21 +91,42 @@ def read_encoded(path):
     return decode_rgb_tensor(data)
 
 
+# an official download given where an ImageFolder is read: its folder (or a file in it) -> its --dataset
+OFFICIAL_LAYOUTS = {"cifar-10-batches-py": "cifar10", "data_batch_1": "cifar10", "cifar-100-python": "cifar100",
+                    "stl10_binary": "stl10", "train_X.bin": "stl10", "tiny-imagenet-200": "tiny-imagenet",
+                    "wnids.txt": "tiny-imagenet"}
+
+
+def class_folders(directory):
+    """The class folders of `directory`, sorted, hidden ones (.DS_Store's kin) skipped; none is one line naming
+    the layout it holds if that is an official download."""
+    classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        names = os.listdir(directory)
+        official = next((OFFICIAL_LAYOUTS[n] for n in names if n in OFFICIAL_LAYOUTS), None)
+        fix = (f"it holds {official}'s official files: pass --dataset {official}" if official else
+               "expected one sub-folder of images per class (ImageFolder layout)")
+        raise UserError(f"{directory} has no class folders ({len(names)} files or hidden folders): {fix}")
+    return classes
+
+
 class Folder(ImageFolder):
     """ImageFolder that reads with load_rgb (load_rgb_tensor: as_tensor; read_encoded: encoded),
-    tolerates empty class folders, and can keep only the classes of a list file (ImageNet100)."""
+    tolerates empty class folders, skips hidden ones, and can keep only the classes of a list file
+    (ImageNet100)."""
 
     def __init__(self, root, transform=None, classes=None, as_tensor=False, encoded=False):
         self.keep = classes
         loader = read_encoded if encoded else load_rgb_tensor if as_tensor else load_rgb
-        super().__init__(root, transform=transform, loader=loader,
-                         allow_empty=True)
+        super().__init__(root, transform=transform, loader=loader, allow_empty=True)
         if not self.samples:
-            raise UserError(f"no images found under {root}: expected one sub-folder of images "
-                            "per class (ImageFolder layout)")
+            official = next((OFFICIAL_LAYOUTS[c] for c in self.classes if c in OFFICIAL_LAYOUTS), None)
+            raise UserError(f"no images found under {root}: " + (
+                f"it holds {official}'s official files: pass --dataset {official}" if official else
+                "expected one sub-folder of images per class (ImageFolder layout)"))
 
     def find_classes(self, directory):
-        classes, _ = super().find_classes(directory)
+        classes = class_folders(directory)
         if self.keep is not None:
             missing = sorted(set(self.keep) - set(classes))
             if missing:
@@ -118,22 +140,37 @@ class Folder(ImageFolder):
 
 
 class TinyImageNetVal(Dataset):
-    """Tiny-ImageNet val/: images/ plus val_annotations.txt (file, wnid, box)."""
+    """Tiny-ImageNet val/: images/ plus val_annotations.txt (file, wnid, box), every listed image checked
+    to exist when read."""
+    remedy = "restore it from the download, or remove its line from val_annotations.txt"
 
     def __init__(self, root, classes, transform=None):
         index = {c: i for i, c in enumerate(classes)}
         listing = os.path.join(root, "val_annotations.txt")
         if not os.path.isfile(listing):
             raise UserError(f"{listing} not found: Tiny-ImageNet's val/ holds images/ and val_annotations.txt")
+        rows = []
         with open(listing) as f:
-            rows = [line.split("\t")[:2] for line in f if line.strip()]
-        unknown = sorted({wnid for _, wnid in rows} - set(index))
+            for number, line in enumerate(f, 1):
+                fields = line.rstrip("\n").split("\t")
+                if len(fields) < 2 and line.strip():
+                    raise UserError(f"{listing} line {number} is not 'FILE<tab>WNID<tab>box': {line.strip()[:60]!r}; "
+                                    "restore the file from the download")
+                if line.strip():
+                    rows.append((number, fields[0], fields[1]))
+        unknown = sorted({wnid for _, _, wnid in rows} - set(index))
         if unknown:
             raise UserError(f"{listing} names {len(unknown)} classes that train/ lacks (first: {unknown[0]}): "
                             "train/ needs one folder per class")
-        self.samples = [(os.path.join(root, "images", name), index[wnid]) for name, wnid in rows]
+        present = set(os.listdir(os.path.join(root, "images"))) if os.path.isdir(os.path.join(root, "images")) else set()
+        missing = [(number, name) for number, name, _ in rows if name not in present]
+        if missing:
+            number, name = missing[0]
+            raise UserError(f"{os.path.join(root, 'images', name)}, listed on line {number} of {listing}, is missing "
+                            f"({len(missing)} listed images are): {self.remedy}")
+        self.samples = [(os.path.join(root, "images", name), index[wnid]) for _, name, wnid in rows]
         self.targets = [t for _, t in self.samples]
-        self.classes, self.transform = list(classes), transform
+        self.classes, self.transform, self.root = list(classes), transform, root
 
     def __len__(self):
         return len(self.samples)
@@ -188,11 +225,15 @@ def _torchvision_dataset(cls, root, what, **kwargs):
     if short:
         raise UserError(f"{short}: download {what} again")
     try:
-        return cls(root, **kwargs)
+        ds = cls(root, **kwargs)
     except Exception as e:  # pickle, reshape and key errors of a malformed file: name it if a batch is cut short
-        damaged = _not_unpickling(folder, names)
+        damaged = _damaged_batch(folder, names)
         raise UserError(f"{damaged}: download {what} again" if damaged else
                         f"{folder} does not hold readable {what} files ({type(e).__name__}: {e})") from None
+    if len(ds.data) != len(ds.targets):  # torchvision pairs them in order: every later label would be shifted
+        damaged = _damaged_batch(folder, names) or f"{folder} holds {len(ds.data)} images for {len(ds.targets)} labels"
+        raise UserError(f"{damaged}: download {what} again")
+    return ds
 
 
 def _short_binary(folder, names):
@@ -209,16 +250,20 @@ def _short_binary(folder, names):
     return None
 
 
-def _not_unpickling(folder, names):
-    """'PATH does not unpickle ...' for the first CIFAR batch file cut short or damaged, else None."""
+def _damaged_batch(folder, names):
+    """'PATH ...' for the first CIFAR batch file cut short or damaged, or holding more images than labels or
+    fewer, else None."""
     import pickle
     for name in [n for n in names if not n.endswith(".bin")]:
+        path = os.path.join(folder, name)
         try:
-            with open(os.path.join(folder, name), "rb") as f:
-                pickle.load(f, encoding="latin1")
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
         except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
-            return (f"{os.path.join(folder, name)} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut "
-                    "short or damaged")
+            return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
+        labels = entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
+        if labels is not None and len(entry.get("data", ())) != len(labels):
+            return f"{path} holds {len(entry['data'])} images for {len(labels)} labels"
     return None
 
 
@@ -250,8 +295,7 @@ def build_dataset(name, root, split="train", transform=None, class_list=None, as
     else:
         sub = os.path.join(root, "train" if train else "val")
         if name == "tiny-imagenet" and not train:
-            classes = sorted(os.listdir(os.path.join(root, "train")))
-            return TinyImageNetVal(sub, classes, transform)
+            return TinyImageNetVal(sub, class_folders(os.path.join(root, "train")), transform)
         if not os.path.isdir(sub):
             if not train:
                 raise UserError(f"{root} has no val/ folder: evaluation needs DATA/train and DATA/val")
@@ -280,3 +324,17 @@ def digits_imagefolder(root):
         Image.fromarray(pixels).resize((16, 16), Image.BICUBIC).save(os.path.join(folder, f"{i:04d}.png"))
     open(os.path.join(root, ".complete"), "w").close()
     return root
+
+
+def fingerprint(dataset):
+    """A short hash of what a dataset holds, in order: its files (paths under its root) and labels, or for
+    CIFAR and STL10 their labels and every n-th image (2,048 of them). A mid-epoch resume compares it: the
+    epoch's order, half done, is that of the data it began on."""
+    h = hashlib.blake2b(str(len(dataset)).encode(), digest_size=8)
+    if hasattr(dataset, "samples"):
+        skip = len(os.path.join(getattr(dataset, "root", ""), ""))
+        h.update("\n".join(f"{path[skip:]}\t{target}" for path, target in dataset.samples).encode())
+    else:
+        h.update(np.asarray(dataset.targets, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(dataset.data[::max(1, len(dataset.data) // 2048)]).tobytes())
+    return h.hexdigest()

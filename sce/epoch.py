@@ -15,7 +15,7 @@ from sce.builder import momentum_at
 from sce.engine import Training
 from sce.loader import ResumableSampler, note_bad_images
 from sce.optim import cosine_lr, scheduled, set_lr
-from sce.preemption import Preemption
+from sce.preemption import CHECK_STEPS, Preemption
 from sce.preview import view_labels, views_grid
 from sce.progress import format_eta
 
@@ -59,8 +59,6 @@ class Run:
     def total_steps(self):
         return self.sampler.steps * self.args.epochs
 
-
-PREEMPTION_CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
 
 # the loss and the three terms of eq. 10 (of the first (target, query) pair), averaged over finite steps
 TERMS = ["loss", "infonce", "ressl", "ceil"]
@@ -118,7 +116,7 @@ def train_one_epoch(run, epoch, start_step):
             window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
         # a stop request is agreed through a gloo all_reduce over the ranks: at most every 10 steps, not every one
-        if (i + 1) % min(args.print_freq, PREEMPTION_CHECK_STEPS) == 0 and run.preemption.requested() \
+        if (i + 1) % min(args.print_freq, CHECK_STEPS) == 0 and run.preemption.requested() \
                 and i + 1 < run.steps_per_epoch:
             return i + 1
     steps = run.steps_per_epoch - start_step

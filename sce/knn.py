@@ -22,6 +22,7 @@ from sce import distributed as du
 from sce.checkpoint import save_atomic
 from sce.device_decode import DecodedEval, decoded_loader
 from sce.loader import EvalSamples, collate_views
+from sce.preemption import ignore_stop_signals
 from sce.preload import Images, PreloadedBatches
 from sce.progress import Progress
 
@@ -88,7 +89,8 @@ def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, 
         except Exception as e:  # a truncated or foreign file: compute it again
             print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
     loader = DataLoader(EvalSamples(dataset), batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda", collate_fn=collate_views)  # every image read
+                        pin_memory=device.type == "cuda", collate_fn=collate_views,  # every image read
+                        worker_init_fn=ignore_stop_signals)
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         feats, _ = extract_features(trunk, decoded_loader(loader, device), device, normalize=False,
                                     name=f"{split} features")
@@ -159,7 +161,7 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, 
         else:  # a private generator: from the global RNG, the training's draws would move (exact resume)
             loader = DataLoader(EvalSamples(dataset), batch_size=batch_size, sampler=Shard(len(dataset)),
                                 num_workers=workers, pin_memory=device.type == "cuda", generator=torch.Generator(),
-                                collate_fn=collate_views)
+                                collate_fn=collate_views, worker_init_fn=ignore_stop_signals)
         return extract_features(trunk, decoded_loader(loader, device), device, name=name)
     bank, bank_labels = features(train_set, "train features")
     queries, labels = (gather_rows(x) for x in features(val_set, "val features"))

@@ -210,7 +210,8 @@ class PretrainDataset(Dataset):
                 if bad < 0:
                     bad, reason = i, f"{type(e).__name__}: {e}"[:300]
         else:
-            raise UserError("no readable image in the dataset")
+            raise UserError(f"no image of the dataset is readable ({image_path(self.dataset, bad)}: {reason}): check "
+                            "--data")
         with torch.random.fork_rng(devices=[]):
             # the CPU generator alone: torch.manual_seed would also queue a CUDA seeding, with a
             # stack trace, in every worker (0.5 ms a sample)

@@ -1,5 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) make every rank stop at the next check (every 10
-steps at most), save and exit 75."""
+"""Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) or SIGINT (Ctrl-C) make every rank stop at the next
+check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved."""
 import datetime
 import signal
 import sys
@@ -10,16 +10,20 @@ import torch.distributed as dist
 from sce import distributed as du
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
+CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-def ignore_stop_signals():
-    """SLURM signals every process of the job: workers leave the saving to their rank."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+def ignore_stop_signals(worker_id=None):
+    """worker_init_fn of every loader: SLURM signals every process of the job, and Ctrl-C every process of
+    the terminal's group; a worker that died of it would fail the batch its rank waits for. The workers
+    leave the saving to their rank."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 (SLURM, torchrun) ask every rank to save at the end of a step and exit."""
+    """A stop signal asks every rank to save at the end of a step and exit."""
 
     def __init__(self, world_size, timeout_s):
         self.flag = torch.zeros(1)
@@ -27,10 +31,12 @@ class Preemption:
         # does not inherit --dist-timeout (it defaults to 30 min), so a hung peer would hang us here
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
             if world_size > 1 else None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
+        if signum == signal.SIGINT and self.flag.item():  # Ctrl-C twice: the user will not wait for the save
+            raise KeyboardInterrupt
         self.flag.fill_(1)
 
     def requested(self):
@@ -44,7 +50,7 @@ class Preemption:
         """Leave with PREEMPTED_EXIT_CODE once saved. Later signals are ignored: torchrun re-sends
         SIGTERM to a rank whose peer exited first, and Python restores the default (fatal) handler
         while shutting down, which turned 75 into death by SIGTERM."""
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         if writer:
             writer.close()  # flush this run's last scalars

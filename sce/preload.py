@@ -27,6 +27,7 @@ from sce.augment import AUGMENTATIONS, BLUR_SIGMA, RRC_RATIO, Encoded, jitter_ra
 from sce.datasets import decode_rgb_tensor
 from sce.device_augment import normalize, photometric, run_compiled
 from sce.loader import UnreadableImage, image_path
+from sce.preemption import ignore_stop_signals
 from sce.progress import Progress
 
 MEMORY_SHARE = 0.25  # of the device's memory, at most, for the decoded images
@@ -161,7 +162,7 @@ def _decode_all(dataset, shape, workers, transform, what):
     bad, progress, shown = {}, Progress(len(dataset)), time.time()
     loader = torch.utils.data.DataLoader(_Decoded(dataset, transform), batch_size=256, num_workers=workers,
                                          collate_fn=functools.partial(_stack_batch, shape=shape),
-                                         timeout=BATCH_TIMEOUT_S if workers else 0)
+                                         timeout=BATCH_TIMEOUT_S if workers else 0, worker_init_fn=ignore_stop_signals)
     batches = iter(loader)
     while True:
         try:

@@ -7,6 +7,7 @@ import torch
 
 from sce import UserError, checkpoint
 from sce import distributed as du
+from sce.datasets import fingerprint
 from sce.optim import excludes_bias_norm, load_optimizer_state
 
 # settings a resumed run must share with its checkpoint: the model's shape, the objective's settings, and
@@ -49,27 +50,12 @@ def check_ranks_agree(args):
                             "start every node with the same command and an --output-dir they all share")
 
 
-def prepare_output_dir(path):
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test{os.getpid()}")
-        try:  # data, not an empty file (an inode, which a full disk still has), down to the disk
-            with open(probe, "wb") as f:
-                f.write(bytes(64 * 1024))
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            if os.path.exists(probe):
-                os.remove(probe)
-    except OSError as e:
-        raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
-
-
-def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, num_images=None):
+def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, data=None, epoch_stats=None):
     """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position
-    (and the dataset's size, which a mid-epoch position depends on)."""
+    (and data_identity's size and fingerprint of the dataset, which a mid-epoch position depends on);
+    epoch_stats: the log.txt line of the epoch just ended, written again by a rerun that lacks it."""
     return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
-            "num_images": num_images, "args": vars(args), "model": model.state_dict(),
+            **(data or {}), "epoch_stats": epoch_stats, "args": vars(args), "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
@@ -91,9 +77,16 @@ def as_typed(value):
     return value
 
 
-def check_mid_epoch(path, ckpt, args, num_images):
-    """Steps done in the epoch are skipped from the order of (seed, epoch, dataset size, batch): the
-    same order is needed, else images repeat or are skipped. Checkpoints without the size skip its check."""
+def data_identity(dataset):
+    """What a mid-epoch position depends on: the dataset's size and a fingerprint of what it holds."""
+    return {"num_images": len(dataset), "data_id": fingerprint(dataset)}
+
+
+def check_mid_epoch(path, ckpt, args, data):
+    """Steps done in the epoch are skipped from the order of (seed, epoch, dataset, batch): the same order
+    is needed, else images repeat or are skipped. Older checkpoints lack the fingerprint (or the size): what
+    they lack is not checked."""
+    num_images = data.get("num_images")
     saved = ckpt["args"]
     if saved.get("batch_size") != args.batch_size:
         raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
@@ -104,13 +97,17 @@ def check_mid_epoch(path, ckpt, args, num_images):
     if None not in (ckpt.get("num_images"), num_images) and ckpt["num_images"] != num_images:
         raise UserError(f"{path} stopped mid-epoch on {ckpt['num_images']} images: resume it on the same data "
                         f"(not {num_images} images), or from an epoch-end checkpoint")
+    if None not in (ckpt.get("data_id"), data.get("data_id")) and ckpt["data_id"] != data["data_id"]:
+        raise UserError(f"{path} stopped mid-epoch on other data (other files, labels or pixels): resume it on the "
+                        "data it ran on, or from an epoch-end checkpoint")
 
 
-def resume(args, model, optimizer, scaler, rank, num_images=None):
-    """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from."""
+def resume(args, model, optimizer, scaler, rank, data=None):
+    """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
+    the checkpoint's epoch_stats (None without a checkpoint). data: data_identity of the run's dataset."""
     path = find_resume(args)
     if not path:
-        return 0, 0
+        return 0, 0, None
     ckpt = checkpoint.load(path)
     if ckpt.get("kind") != "pretrain":
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
@@ -121,7 +118,7 @@ def resume(args, model, optimizer, scaler, rank, num_images=None):
             raise UserError(f"{path} was trained with {flag} {as_typed(effective(saved, key))}, not "
                             f"{as_typed(effective(now, key))}: pass the same value or another --output-dir")
     if ckpt.get("step_in_epoch"):
-        check_mid_epoch(path, ckpt, args, num_images)
+        check_mid_epoch(path, ckpt, args, data or {})
     model.load_state_dict(ckpt["model"])
     load_optimizer_state(optimizer, ckpt["optimizer"])
     if scaler and ckpt.get("scaler"):
@@ -137,4 +134,4 @@ def resume(args, model, optimizer, scaler, rank, num_images=None):
     elif saved_gpus != gpus and rank == 0:  # one state per GPU: 8 do not map onto 4
         print(f"=> note: checkpoint saved the CUDA random state of {saved_gpus} GPUs, this run has "
               f"{gpus or 'none'}: continuing, but not bit-exact", flush=True)
-    return epoch, step
+    return epoch, step, ckpt.get("epoch_stats")

@@ -199,7 +199,8 @@ def in_process():
     cores run ~10x slower), pytest's signal handlers back after a pretraining run installed the preemption
     ones, and the workers of a loader stopped by an error ended (its iterator waits for the garbage collector,
     whose shutdown then joins each worker for 5 s)."""
-    threads, saved = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    threads, saved = torch.get_num_threads(), {s: signal.getsignal(s) for s in stops}
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)

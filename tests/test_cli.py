@@ -70,7 +70,7 @@ def test_every_flag_has_a_description(script):
     if script == "main_lincls.py":
         assert "(default: 0)" in flag_help(text, "--warmup-epochs")
         assert "(default: 0.0)" in flag_help(text, "--weight-decay")
-        assert "'auto'" in flag_help(text, "--resume") and "'none'" in flag_help(text, "--resume")
+        assert "auto:" in flag_help(text, "--resume") and "none:" in flag_help(text, "--resume")
     else:
         assert "--shots K [K ...]" in text and "(default: 16 32 64 full)" in text
 
@@ -189,7 +189,8 @@ def test_split_features_cache(tmp_path, capsys):
     assert len(cache) == 5
 
 
-FLOORS = [["builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling", "progress", "metrics"],
+FLOORS = [["builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling", "progress", "metrics",
+           "outdir"],
           ["datasets", "loader", "augment", "device_decode", "device_augment", "preload"],
           ["engine", "epoch", "resume", "knn", "evaldata", "transfer", "preview", "cli"]]
 

@@ -228,7 +228,7 @@ def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus or 0)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    assert resume(args, model, optimizer, None, 0) == (1, 0)
+    assert resume(args, model, optimizer, None, 0) == (1, 0, None)
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> note")]
     assert notes == ([note] if note else [])
     assert len(restored) == (saved == gpus)

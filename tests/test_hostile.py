@@ -3,6 +3,7 @@ overwritten or rewritten when refused, a full disk is one line, every numeric fl
 range, a mid-epoch resume with other inputs is refused, --epochs below the checkpoint is an error."""
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,7 +118,7 @@ def pretrain(data, out, *extra):
 def stopped(small, tmp_path_factory):
     """A run preempted at step 1 of its 2-step epoch 0: OUT/checkpoint_last.pth and args.json."""
     out = tmp_path_factory.mktemp("hostile") / "stopped"
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     with pytest.MonkeyPatch.context() as m:
         m.setattr(main_pretrain, "build_criterion", sends_signal_at(signal.SIGUSR1, 1))
         with pytest.raises(SystemExit):
@@ -176,6 +177,7 @@ def test_a_checkpoint_write_failing_otherwise_than_oserror_is_one_line(tmp_path,
     message = str(err.value)
     assert "\n" not in message and f"could not write checkpoint {path}" in message
     assert "file write failed" in message and "the previous checkpoint is kept" in message
+    assert re.search(r"; \d+ MiB free on its disk: free some space or pass another --output-dir\)", message)
     assert os.listdir(tmp_path) == ["checkpoint_last.pth"]  # no temporary file left to fill the disk
     monkeypatch.undo()
     assert checkpoint.load(str(path)) == {"epoch": 1}
@@ -241,8 +243,14 @@ def test_a_mid_epoch_resume_with_another_seed_or_dataset_is_refused(small, stopp
     with pytest.raises(UserError, match="mid-epoch on 16 images") as err:
         pretrain(eight, out)
     assert "\n" not in str(err.value)
+    other = write_imagefolder(tmp_path / "other", num_classes=2, per_class=8, size=20, splits=("",))
+    os.rename(os.path.join(other, "class_1"), os.path.join(other, "class_b"))
+    with pytest.raises(UserError, match=r"mid-epoch on other data \(other files, labels or pixels\)") as err:
+        pretrain(other, out)  # 16 images too: the same size, other files
+    assert "\n" not in str(err.value)
     older = load(out / "checkpoint_last.pth")  # a checkpoint from before the dataset size was recorded
     older.pop("num_images", None)
+    older.pop("data_id", None)
     torch.save(older, out / "checkpoint_last.pth")
     with pytest.raises(UserError, match="step 1 of epoch 1, which now has 1 step"):
         pretrain(eight, out)

@@ -88,7 +88,7 @@ def test_resume_then_evaluate(contract_run, data, pretrained, tmp_path, capsys):
     assert same_trunk(pretrained, str(resumed / "checkpoint_last.pth"))
     lincls_here(capsys, "--data", data, "--pretrained", resumed / "checkpoint_last.pth", "--crop-size", "32",
                 "-e", "--output-dir", tmp_path / "eval")
-    with open(tmp_path / "eval" / "results_linear.json") as f:
+    with open(tmp_path / "eval" / "results_evaluate.json") as f:
         result = json.load(f)
     assert result["acc1"] == pytest.approx(ckpt["acc1"]) and result["acc5"] == pytest.approx(ckpt["acc5"])
 
@@ -270,7 +270,7 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
         main_lincls.main(["--data", data, "--pretrained", pretrained, "--arch", "resnet50", "--workers", "0"])
     one = write_imagefolder(tmp_path / "one", 1, 2, 16)
     with pytest.raises(UserError, match=f"{re.escape(os.path.join(one, 'train'))}.*single class"):
-        main_lincls.main(["--data", one, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
+        main_lincls.main(["--data", one, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path / "1")])
     with pytest.raises(UserError, match="not a main_lincls.py checkpoint"):
         main_lincls.main(["--data", data, "--resume", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
     with pytest.raises(UserError, match="--evaluate needs a trained head"):
@@ -279,7 +279,7 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
     odd = write_imagefolder(tmp_path / "odd", 3, 2, 16)
     os.rename(os.path.join(odd, "val", "class_2"), os.path.join(odd, "val", "class_9"))
     with pytest.raises(UserError, match="different classes .first difference: class_2.: both need the same"):
-        main_lincls.main(["--data", odd, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
+        main_lincls.main(["--data", odd, "--pretrained", pretrained, "--workers", "0", "--output-dir", str(tmp_path / "2")])
     with pytest.raises(UserError, match="--metric map11 does not fit --dataset imagefolder"):
         main_lincls.main(["--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--metric", "map11",
                           "--workers", "0", "--output-dir", str(tmp_path)])

@@ -221,7 +221,8 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
     with pytest.raises(UserError, match="--costs must be positive .got -1.0."):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--costs", "1", "-1"])
     with pytest.raises(UserError, match="--resize 16 is smaller than the 32 px centre crop"):
-        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--resize", "16"])
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--resize", "16",
+                           "--output-dir", str(tmp_path / "resize")])
     with pytest.raises(UserError, match="--cv-folds must be at least 2"):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--cost-selection", "cv", "--cv-folds", "1"])
     help_text = main_lowshot.get_parser().format_help()

@@ -227,7 +227,7 @@ def test_bad_files(data, tmp_path):
     junk = tmp_path / "junk.pth"
     junk.write_bytes(b"not a checkpoint")
     user_error(["--data", data, "--output-dir", str(tmp_path / "j"), "--resume", str(junk)] + base,
-               "not a readable PyTorch checkpoint")
+               "is not a PyTorch checkpoint .it begins")
     run_script(["main_pretrain.py", "--data", data, "--output-dir", str(tmp_path / "r18")] + base)
     other = [a if a != "resnet18" else "resnet34" for a in base]
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + other, "--arch resnet18")

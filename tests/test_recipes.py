@@ -51,3 +51,15 @@ def test_recipe_parses(argv):
         assert args.sync_bn and args.proj_last_bn == "no-affine"
     if "--small-input" in argv:  # one GPU, shuffle-BN as a split BN of 8 groups that divide the batch
         assert args.shuffle_bn and args.bn_splits == 8 and args.batch_size % 8 == 0
+
+
+def test_readme_setup_commands_leave_the_interpreter_every_later_command_uses():
+    """The README's first two lines, run in a fresh shell, are what its later `python ...` commands need: the
+    virtualenv they install into is active afterwards (a bare `python` then has torch)."""
+    lines = open(os.path.join(REPO, "README.md")).read().splitlines()
+    setup = [line.strip() for line in lines[1:5] if line.startswith("    ")]
+    assert len(setup) == 2, setup
+    for command in setup:
+        steps = [step.strip() for step in command.split("&&")]
+        assert steps[:3] == ["python3 -m venv .venv", ". .venv/bin/activate", "pip install -r requirements.txt"], steps
+        assert steps[3].startswith("python "), steps

@@ -3,6 +3,7 @@ here in each format, a few images each): SMOKE=1 runs the whole script, its comm
 bad input is one line, and a signal reaches the running stage instead of orphaning it."""
 import json
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -34,19 +35,29 @@ def reproduce(dataset, data, out, timeout=300, **env):
 
 @pytest.mark.parametrize("dataset", ["stl10"])  # ImageFolder: test_a_signal_...; every layout's reading: DRY_RUN
 def test_smoke_run_from_official_files(tmp_path, dataset):
+    """SMOKE=1 on an official layout trains on a small ImageFolder of it, shows a line per epoch of each stage; a
+    second invocation for another method keeps the first's row; a third runs nothing."""
     WRITERS[dataset](str(tmp_path / "data"))
     proc = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"=> {dataset}: {FOUND[dataset]}" in proc.stdout
-    assert re.search(r"=> the first epoch ran at \d+ images/s .*\n   sce pretrain: 1 epochs x \d+ images: [\d.]+ min\n"
-                     r"   sce linear: 1 epochs x \d+ images: [\d.]+ min", proc.stdout)
+    assert f"=> SMOKE: 8 train / 4 val images of {dataset}'s first 10 classes" in proc.stdout
+    assert re.search(r"=> the first epoch ran at \d+ images/s .*\n   sce pretrain: 1 epochs x 8 images: [\d.]+ min\n"
+                     r"   sce linear: 1 epochs x 8 images: [\d.]+ min", proc.stdout)
+    assert re.search(r"^   Epoch \[1/1\]\[1/1\] loss .*\n   => epoch 1: kNN top-1 ", proc.stdout, re.M)  # pretraining
+    assert re.search(r"^   Epoch 1/1: Acc@1 ", proc.stdout, re.M)  # the linear probe's epoch
+    moco = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="moco")
+    assert moco.returncode == 0, moco.stdout[-2000:] + moco.stderr[-2000:]
     results = json.load(open(tmp_path / "out" / "results.json"))
     paper = {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "tiny-imagenet": 51.90}[dataset]
+    assert sorted(results["methods"]) == ["moco", "sce"]  # the first invocation's method kept
     row = results["methods"]["sce"]
     assert results["dataset"] == dataset and row["paper_linear_top1"] == paper
     assert 0 <= row["linear_top1"] <= 100 and 0 <= row["knn_top1"] <= 100 and row["pretrain_s"] > 0
+    assert row["knn_top1"] == json.loads(open(tmp_path / "out" / "sce" / "log.txt").read().splitlines()[-1])["knn_top1"]
+    table = open(tmp_path / "out" / "results.md").read()
     assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | {paper:.2f} |" \
-        in open(tmp_path / "out" / "results.md").read()
+        in table and "| MoCo v2 | " in table
     # the same command again: every stage is done, nothing runs again
     again = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
     assert again.returncode == 0 and "===" not in again.stdout and "| SCE |" in again.stdout
@@ -107,12 +118,38 @@ def test_bad_input_is_one_line(tmp_path):
     assert "unlabeled_X.bin is cut short" in error("stl10", tmp_path / "stl")
     write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
     assert "unknown method 'simclr'" in error("cifar10", tmp_path / "folders", METHODS="sce simclr")
+    assert "METHODS is empty" in error("cifar10", tmp_path / "folders", METHODS=" ")
+    # the up-front check reads what it says it reads: each CIFAR batch's labels against its images ...
+    folder = write_cifar(str(tmp_path / "cifar90"), 10, per_batch=10)
+    with open(os.path.join(folder, "test_batch"), "rb") as f:
+        batch = pickle.load(f)
+    with open(os.path.join(folder, "test_batch"), "wb") as f:
+        pickle.dump(dict(batch, labels=batch["labels"][:9]), f)
+    assert "test_batch holds 10 images for 9 labels: download CIFAR10 again" in error("cifar10", tmp_path / "cifar90")
+    # ... and that every val image Tiny-ImageNet lists exists
+    root = write_tiny_imagenet(str(tmp_path / "tiny" / "tiny-imagenet-200"))
+    os.remove(os.path.join(root, "val", "images", "val_4.JPEG"))
+    assert "val_4.JPEG, listed on line 5 of" in error("tiny-imagenet", tmp_path / "tiny")
+
+
+def test_the_interpreter_is_found_without_python_on_path(tmp_path):
+    """PYTHON unset and no `python` on PATH (only python3, as on many systems): the script still runs."""
+    bin_dir = tmp_path / "bin"
+    os.makedirs(bin_dir)
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    os.chmod(bin_dir / "python3", 0o755)
+    write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
+    env = {k: v for k, v in ENV.items() if k != "PYTHON"}
+    proc = subprocess.run(["bash", SCRIPT, "cifar10", str(tmp_path / "folders"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(env, PATH=f"{bin_dir}:/usr/bin:/bin", DRY_RUN="1"))
+    assert proc.returncode == 0 and "=== sce pretrain: python3 main_pretrain.py" in proc.stdout, proc.stderr
 
 
 def test_a_signal_reaches_the_running_stage(tmp_path):
     """SIGTERM to the script (not its group): the pretraining it runs saves and stops, the script exits with its
     code and says how to continue; no Python process is left running."""
-    write_imagefolder(tmp_path / "data", num_classes=2, per_class=26, size=16)  # 6 steps, a stop request at each
+    write_imagefolder(tmp_path / "data", num_classes=2, per_class=26, size=16)  # 4 steps, a stop request at each
     proc = subprocess.Popen(["bash", SCRIPT, "cifar10", str(tmp_path / "data"), str(tmp_path / "out")], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
     log = tmp_path / "out" / "sce.pretrain.log"
@@ -130,3 +167,25 @@ def test_a_signal_reaches_the_running_stage(tmp_path):
     done = reproduce("cifar10", tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
     assert done.returncode == 0 and "=> cifar10: image files in train/ and val/ class folders" in done.stdout
     assert "=> resuming from" in log.read_text() and "| SCE |" in done.stdout
+
+
+def test_one_invocation_per_out_dir_and_a_killed_script_stops_its_stage(tmp_path):
+    """While reproduce.sh runs, a second one into its OUT_DIR is refused; killed outright (SIGKILL: no trap runs), its
+    running stage notices within seconds, saves and stops: nothing trains on orphaned."""
+    write_imagefolder(tmp_path / "data", num_classes=10, per_class=16, size=16)  # 20 steps
+    proc = subprocess.Popen(["bash", SCRIPT, "cifar10", str(tmp_path / "data"), str(tmp_path / "out")], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
+    log = tmp_path / "out" / "sce.pretrain.log"
+    deadline = time.time() + 120
+    while not (log.exists() and "=> sce on " in log.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    second = reproduce("cifar10", tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
+    assert second.returncode == 1 and f"is in use by another reproduce.sh (PID {proc.pid})" in second.stderr
+    proc.kill()
+    proc.communicate()
+    deadline = time.time() + 30
+    while subprocess.run(["pgrep", "-f", str(tmp_path / "out")], capture_output=True).returncode == 0:
+        assert time.time() < deadline, "the stage of the killed script still runs"
+        time.sleep(0.2)
+    assert "=> preempted: saved epoch 0 step" in log.read_text()

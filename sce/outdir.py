@@ -1,0 +1,89 @@
+"""An output folder: checked writable before any work, held by one run at a time, and, for the evaluation
+scripts, bound to the trunk and data it evaluates.
+
+The hold is an OS lock (flock) on DIR/.lock, kept open for the life of the run: the kernel releases it
+however the run ends (an error, kill -9, a lost node), so a stale lock never blocks the next run."""
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import sys
+
+import torch
+
+from sce import UserError
+
+LOCK = ".lock"
+EVALUATED = "evaluated.json"  # what the evaluation scripts' output folder holds results of
+
+
+def prepare(path):
+    """Create `path` and check that data reaches its disk, else one line naming --output-dir."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test{os.getpid()}")
+        try:  # data, not an empty file (an inode, which a full disk still has), down to the disk
+            with open(probe, "wb") as f:
+                f.write(bytes(64 * 1024))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if os.path.exists(probe):
+                os.remove(probe)
+    except OSError as e:
+        raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
+
+
+class Lock:
+    """Holds `path` for this process until release() (or the process's end). A folder another process holds is
+    a one-line error naming it; DIR/.lock says who holds it (PID, host, command)."""
+
+    def __init__(self, path):
+        self.fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "a process"
+            os.close(self.fd)
+            raise UserError(f"{path} is in use by another run ({holder}): wait for it to end or stop it, or pass "
+                            "another --output-dir") from None
+        command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:200]
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"PID {os.getpid()} on {socket.gethostname()}: {command}\n".encode(), 0)
+
+    def release(self):
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor of the open file releases the lock
+            self.fd = None
+
+
+def trunk_digest(trunk):
+    """A short hash of a trunk's weights and BN statistics (what an evaluation's numbers depend on)."""
+    h = hashlib.blake2b(digest_size=8)
+    for key, value in sorted(trunk.state_dict().items()):
+        if not key.startswith("fc."):
+            h.update(key.encode())
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def bind_evaluation(path, pretrained, trunk, dataset, data):
+    """Bind the folder to (trunk, data): a folder holding the results of another trunk or other data is a
+    one-line error, before any work replaces them. The same trunk and data may be evaluated again there
+    (a rerun, another classifier)."""
+    mine = dict(trunk=trunk_digest(trunk), pretrained=os.path.abspath(pretrained), dataset=dataset,
+                data=os.path.abspath(data))
+    file = os.path.join(path, EVALUATED)
+    if os.path.isfile(file):
+        with open(file) as f:
+            theirs = json.load(f)
+        if theirs.get("trunk") != mine["trunk"]:
+            raise UserError(f"{path} holds the evaluation of another trunk ({theirs.get('pretrained')}; "
+                            f"{pretrained} has other weights): pass another --output-dir")
+        if (theirs.get("dataset"), theirs.get("data")) != (dataset, mine["data"]):
+            raise UserError(f"{path} holds an evaluation on other data (--dataset {theirs.get('dataset')} --data "
+                            f"{theirs.get('data')}): pass another --output-dir")
+        return
+    with open(file, "w") as f:
+        json.dump(mine, f, indent=1)
