@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""Evaluate a frozen SCE trunk: linear classifier (default), kNN (--knn) or the many-shot transfer
+"""Evaluate a frozen trunk of main_pretrain.py: linear classifier (default), kNN (--knn) or the many-shot transfer
 logistic regression (--classifier logreg).
 
     python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
     torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
 """
-import itertools
 import json
 import math
 import os
@@ -14,49 +13,40 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
-from sce import UserError, cli, evaldata, outdir, transfer
+from sce import UserError, cli, data, outdir, transfer
 from sce import distributed as du
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
-from sce.datasets import DATASETS
-from sce.device_decode import DecodedEval, decoded_loader
 from sce.engine import compile_trunk, resolve_compile
-from sce.knn import Shard, knn_accuracy, split_features
-from sce.loader import MEAN, STD, EpochKeys, EvalSamples, collate_views, eval_crop_size
+from sce.knn import knn_accuracy, split_features
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
-from sce.preload import Images, PreloadedBatches
-from sce.preemption import CHECK_STEPS, PREEMPTED_EXIT_CODE, Preemption, ignore_stop_signals
+from sce.preemption import CHECK_STEPS, PREEMPTED_EXIT_CODE, Preemption
 from sce.progress import Progress
 
 
 def get_parser():
     p = cli.make_parser(__doc__)
-    p.add_argument("--data", metavar="DIR", required=True, help="DIR with train/ and val/ (ImageFolder), the root "
+    g = p.add_argument_group("data and trunk")
+    g.add_argument("--data", metavar="DIR", required=True, help="DIR with train/ and val/ (ImageFolder), the root "
                    "of a built-in dataset, or a VOCdevkit/VOC2007 tree (--dataset voc07)")
-    p.add_argument("--dataset", default="imagefolder", choices=DATASETS + ["voc07"], help="layout of --data")
-    cli.add_trunk_args(p, required=False)
-    p.add_argument("--classifier", default="linear", choices=["linear", "knn", "logreg"],
-                   help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
-    p.add_argument("--knn", action="store_true", help="same as --classifier knn")
-    p.add_argument("--crop-size", type=int, default=None,
+    cli.add_data_args(g, "small-input trunks (linear and kNN): auto decodes train and val once onto a GPU when they "
+                      "fit in a quarter of its memory, then crops, flips and normalises batches there; device: always "
+                      "(on a CPU run, in host memory); off: the loader", data.DATASETS + ["voc07"])
+    g.add_argument("--crop-size", type=int, default=None,
                    help="input size in pixels (default: a small-input trunk's pretraining crop size from its "
                         "checkpoint, else 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224)")
-    p.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
-                   help="data-loading processes per rank (default: the node's cores / its ranks - 1, at most 16; "
-                        f"here {cli.default_workers()})")
-    p.add_argument("--preload", default="auto", choices=["auto", "device", "off"],
-                   help="small-input trunks (linear and kNN): auto decodes train and val once onto a GPU when they "
-                        "fit in a quarter of its memory, then crops, flips and normalises batches there; device: "
-                        "always (on a CPU run, in host memory); off: the loader")
-    cli.add_decode_arg(p)  # ImageNet-stem trunks (small-input ones are preloaded)
-    p.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lincls"),
-                   help="checkpoints, results_<classifier>.json, TensorBoard scalars, feature cache")
-    p.add_argument("--seed", type=int, default=0, help="seed of the head init, the shuffling and the logreg hold-out")
-    cli.add_amp_arg(p)
-    cli.add_compile_arg(p)
+    cli.add_trunk_args(p, required=False)
+    g = p.add_argument_group("runtime")
+    cli.add_runtime_args(g, os.path.join("runs", "lincls"), "checkpoints, results_<classifier>.json, TensorBoard "
+                         "scalars, feature cache", "seed of the head init, the shuffling, the probe's crops and the "
+                         "logreg hold-out", "the trunk",
+                         "the linear probe; a finished one reports its result again; --pretrained, if given, must "
+                         "hold the probe's trunk")
+    g.add_argument("-p", "--print-freq", type=int, default=10, help="progress line every N steps")
+    g.add_argument("--classifier", default="linear", choices=["linear", "knn", "logreg"],
+                   help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
+    g.add_argument("--knn", action="store_true", help="same as --classifier knn")
     g = p.add_argument_group("linear classifier")
     g.add_argument("--schedule", default="step", choices=["step", "cosine"],
                    help="step: lr 30, 100 epochs, x0.1 at --milestones (small datasets, ImageNet100); "
@@ -72,18 +62,11 @@ def get_parser():
     g.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="weight decay of fc.weight")
     g.add_argument("--sgd-momentum", "--momentum", type=float, default=0.9, help="momentum of SGD / LARS")
     g.add_argument("--optimizer", default="sgd", choices=["sgd", "lars"], help="optimizer of the head")
-    g.add_argument("-p", "--print-freq", type=int, default=10, help="progress line every N steps")
-    g.add_argument("--resume", metavar="PATH", default="auto",
-                   help="auto: continue the probe of OUTPUT_DIR/checkpoint_last.pth if there is one (a finished one "
-                   "reports its result again), else start; a main_lincls.py checkpoint: continue it (trunk, head, "
-                   "optimizer, epoch and best Acc@1 come from it; --pretrained, if given, must hold the same trunk); "
-                   "none: start fresh (an OUTPUT_DIR holding a probe is refused)")
     g.add_argument("-e", "--evaluate", action="store_true",
                    help="only measure val Acc@1 / Acc@5 of the head of a main_lincls.py checkpoint "
                    "(--pretrained), into results_evaluate.json")
     g = p.add_argument_group("kNN")
-    g.add_argument("--knn-k", type=int, default=200, help="neighbours that vote")
-    g.add_argument("--knn-t", type=float, default=0.07, help="temperature: votes weigh exp(cos / t)")
+    cli.add_knn_args(g)
     g = p.add_argument_group("many-shot logistic regression")
     g.add_argument("--metric", default="auto", choices=["auto"] + transfer.METRICS,
                    help="auto: map11 for voc07, else top1")
@@ -133,12 +116,12 @@ def main(argv=None):
     finally:
         if lock:
             lock.release()
-        du.cleanup()
+    du.cleanup()  # not after an error: the failing rank must report first, its peers fail when it is gone
 
 
 def evaluate(args, source, device):
     args.compile = resolve_compile(args.compile, device)
-    args.decode = cli.resolve_decode(args.decode, device)
+    args.decode = data.resolve_decode(args.decode, device)
     trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input, "online" if args.resume else args.encoder)
     args.arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
     args.small_input = isinstance(trunk.maxpool, nn.Identity)
@@ -154,7 +137,8 @@ def evaluate(args, source, device):
                         f"{ckpt.get('data')}): pass that data to continue it, or another --output-dir")
     if du.is_main():
         outdir.bind_evaluation(args.output_dir, args.pretrained or source, named, args.dataset, args.data)
-    args.crop_size, why, warning = eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"), args.dataset)
+    args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"),
+                                                       args.dataset)
     if du.is_main():
         print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
               f"from {source}; input {args.crop_size} px ({why})", flush=True)
@@ -174,22 +158,10 @@ def evaluate(args, source, device):
         run_logreg(args, trunk, source, device)
 
 
-def loader(ds, batch, args, sampler, device, train=False):
-    """Batches of (images, targets): preloaded on the device, decoded there, or by the loader's workers.
-    train: the linear probe's training split (a preloaded one is cropped and flipped on the device; the
-    loader's crops and flips come from (seed, epoch, index): the same after a resume, for any --workers)."""
-    if isinstance(ds, Images):
-        return PreloadedBatches(ds, sampler, batch, args.crop_size, train=train, seed=args.seed)
-    return decoded_loader(DataLoader(EvalSamples(ds, args.seed), batch_size=batch,
-                                     sampler=EpochKeys(sampler) if train else sampler, num_workers=args.workers,
-                                     pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
-                                     collate_fn=collate_views, worker_init_fn=ignore_stop_signals), device)
-
-
 def splits(args, device, augment_train):
-    """(train, val, number of classes) as the evaluation reads them (sce.evaldata)."""
-    return evaldata.splits(args.dataset, args.data, args.crop_size, args.small_input, device, args.preload,
-                           args.decode, args.workers, augment_train)
+    """(train, val, number of classes), sce.data.EvalSplits as the evaluation reads them."""
+    return data.eval_splits(args.dataset, args.data, args.crop_size, args.small_input, device, args.preload,
+                            args.decode, args.workers, augment_train, seed=args.seed, budget=data.Budget(device))
 
 
 def write_results(args, results, name=None):
@@ -215,12 +187,11 @@ def check_finite(first_bad, epoch):
 
 
 @torch.no_grad()
-def validate(model, val_loader, device, amp):
+def validate(model, val_batches, device, amp):
     """(Acc@1, Acc@5, mean loss) over the val images of every rank."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
-    for images, target in val_loader:
-        images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
+    for images, target in val_batches:
         with cli.autocast(device, amp):
             out = model(images).float()
         hit = out.topk(min(5, out.shape[1]), dim=1).indices == target[:, None]
@@ -253,31 +224,15 @@ def attach_head(model, feat_dim, num_classes, ckpt, source, args, device):
         raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --pretrained")
 
 
-class ShuffledShards(DistributedSampler):
-    """DistributedSampler (seeded per epoch, also on one process, so a resumed run sees the same order) whose
-    epoch may begin after its first `start` indices: the rest of an epoch stopped midway."""
-
-    def set_epoch(self, epoch, start=0):
-        super().set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), getattr(self, "start", 0), None)
-
-    def __len__(self):
-        return self.num_samples - getattr(self, "start", 0)
-
-
-def train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, start, steps, sums, progress, preemption,
+def train_one_epoch(args, ddp, train_batches, optimizer, scaler, epoch, start, steps, sums, progress, preemption,
                     device):
     """The head's steps of one epoch from step `start` of its `steps`; sums: this rank's (loss sum, images) of
     the epoch so far, a device tensor added to. Returns the step to resume from if a stop was requested (its
     state is for the caller to save), else None."""
     first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
-    for i, (images, target) in enumerate(train_loader, start=start):
+    for i, (images, target) in enumerate(train_batches, start=start):
         if args.schedule == "cosine":
             set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr, args.warmup_epochs * steps))
-        images, target = images.to(device, non_blocking=True), target.to(device, non_blocking=True)
         with cli.autocast(device, args.amp):
             loss = F.cross_entropy(ddp(images).float(), target)
         # noted on the device, checked at the progress lines: no host sync per step
@@ -310,13 +265,13 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
     reference = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
 
     per_rank = args.batch_size // world
-    sampler = ShuffledShards(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    sampler = data.ShuffledShards(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     steps = math.ceil(sampler.num_samples / per_rank)
-    train_loader = loader(train_ds, per_rank, args, sampler, device, train=True)
-    val_loader = loader(val_ds, per_rank, args, Shard(len(val_ds)), device)  # every val image on one rank
+    train_batches = train_ds.batches(per_rank, sampler)
+    val_batches = val_ds.batches(per_rank)  # every val image on one rank
 
     if args.evaluate:
-        acc1, acc5, loss = validate(model, val_loader, device, args.amp)
+        acc1, acc5, loss = validate(model, val_batches, device, args.amp)
         if du.is_main():
             print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
             write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
@@ -354,18 +309,16 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
                 "acc1": acc1, "acc5": acc5}
 
     if start_epoch == args.epochs and acc1 is None:  # a finished probe of an older version: measured again
-        acc1, acc5, _ = validate(model, val_loader, device, args.amp)
+        acc1, acc5, _ = validate(model, val_batches, device, args.amp)
     writer = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
     preemption = Preemption(world, timeout_s=600)
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * per_rank) * world)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_step * per_rank)
-        if isinstance(train_loader, PreloadedBatches):
-            train_loader.set_epoch(epoch)  # its crops and flips
         if args.schedule == "step":
             set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
-        stopped_at = train_one_epoch(args, ddp, train_loader, optimizer, scaler, epoch, start_step, steps, sums,
+        stopped_at = train_one_epoch(args, ddp, train_batches, optimizer, scaler, epoch, start_step, steps, sums,
                                      progress, preemption, device)
         if stopped_at is not None:  # a stop request mid-epoch: save the exact position and leave
             totals = du.all_reduce_sum(sums.clone()).tolist()
@@ -381,7 +334,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
         totals = du.all_reduce_sum(sums.clone())
         train_loss = (totals[0] / totals[1].clamp(min=1)).item()
         sums.zero_()
-        acc1, acc5, val_loss = validate(model, val_loader, device, args.amp)
+        acc1, acc5, val_loss = validate(model, val_batches, device, args.amp)
         is_best = acc1 > best_acc1
         best_acc1 = max(acc1, best_acc1)
         if du.is_main():
@@ -420,12 +373,12 @@ def one_process():
     return main
 
 
-def features(args, trunk, ds, split, source, device):
+def features(args, trunk, split, name, source):
     """Cached trunk features of one split (not normalised), and its labels."""
-    x = split_features(trunk, ds, split, args.output_dir, device, checkpoint=source, batch_size=256,
-                       workers=args.workers, amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=args.arch,
-                       small_input=args.small_input, dataset=args.dataset, data=os.path.abspath(args.data))
-    return x, np.asarray(ds.targets)
+    x = split_features(trunk, split, name, args.output_dir, checkpoint=source, batch_size=256,
+                       amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=args.arch, small_input=args.small_input,
+                       dataset=args.dataset, data=os.path.abspath(args.data))
+    return x, np.asarray(split.targets)
 
 
 # ---------------------------------------------------------------- kNN
@@ -435,8 +388,7 @@ def run_knn(args, trunk, device):
     # rank extracts and scores its share (sce.knn), as the kNN monitor of main_pretrain.py does
     bank, queries, num_classes = splits(args, device, augment_train=False)
     with cli.autocast(device, args.amp):
-        top1, top5 = knn_accuracy(trunk, bank, queries, num_classes, device, args.knn_k, args.knn_t,
-                                  workers=args.workers)
+        top1, top5 = knn_accuracy(trunk, bank, queries, num_classes, args.knn_k, args.knn_t)
     if du.is_main():
         print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
               f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
@@ -446,22 +398,23 @@ def run_knn(args, trunk, device):
 # ---------------------------------------------------------------- many-shot logistic regression
 
 def run_logreg(args, trunk, source, device):
-    # ssl-transfer: bicubic resize of the short side + centre crop, no augmentation
-    tf = T.Compose([T.Resize(args.crop_size, interpolation=T.InterpolationMode.BICUBIC),
-                    T.CenterCrop(args.crop_size), T.ToTensor(), T.Normalize(MEAN, STD)])
     metric = args.metric if args.metric != "auto" else ("map11" if args.dataset == "voc07" else "top1")
     if (metric == "map11") != (args.dataset == "voc07"):
         raise UserError(f"--metric {metric} does not fit --dataset {args.dataset}: map11 is for the "
                         "multi-label voc07, top1 / mean-per-class for the others")
     if not one_process():  # scikit-learn runs on one process
         return
-    encoded = evaldata.decodes_on_device(args.decode, args.small_input)
+    # ssl-transfer: bicubic resize of the short side + centre crop, no augmentation; an ImageNet-stem trunk's JPEGs
+    # decoded, resized and cropped on the device (--decode)
+    route = "decode" if data.decodes_on_device(args.decode, args.small_input) else "loader"
+    geometry = data.Geometry(args.crop_size, args.crop_size, mode="bicubic")
 
-    def read(dataset):  # an ImageNet-stem trunk's JPEGs decoded, resized and cropped on the device (--decode)
-        return DecodedEval(dataset, args.crop_size, tf, args.crop_size, "bicubic") if encoded else dataset
+    def read(dataset):
+        return data.eval_split(dataset, geometry, device, route, args.workers, args.seed)
+    reader = "encoded" if route == "decode" else "pil"
     if args.dataset == "voc07":  # its own val split picks C, then train+val is refit
-        split_data = {s: transfer.read_voc07(args.data, s) for s in ("train", "val", "test")}  # all checked first
-        feats = {s: features(args, trunk, read(transfer.ImageList(p, y, tf, encoded)), s, source, device)[0]
+        split_data = {s: data.read_voc07(args.data, s) for s in ("train", "val", "test")}  # all checked first
+        feats = {s: features(args, trunk, read(data.ImageList(p, y, read=reader)), s, source)[0]
                  for s, (p, y) in split_data.items()}
         labels = {s: y for s, (_, y) in split_data.items()}
         sel_x, sel_y, val_x, val_y = feats["train"], labels["train"], feats["val"], labels["val"]
@@ -469,10 +422,9 @@ def run_logreg(args, trunk, source, device):
         fit_y = np.concatenate([labels["train"], labels["val"]])
         test_x, test_y = feats["test"], labels["test"]
     else:  # a seeded share of train picks C, then all of train is refit; DATA/val is the test set
-        train_ds, test_ds, _ = evaldata.read_splits(args.dataset, args.data, None if encoded else tf, encoded)
-        train_ds, test_ds = read(train_ds), read(test_ds)
-        fit_x, fit_y = features(args, trunk, train_ds, "train", source, device)
-        test_x, test_y = features(args, trunk, test_ds, "val", source, device)
+        train_ds, test_ds, _ = data.read_splits(args.dataset, args.data, reader)
+        fit_x, fit_y = features(args, trunk, read(train_ds), "train", source)
+        test_x, test_y = features(args, trunk, read(test_ds), "val", source)
         tr, va = transfer.holdout_split(fit_y, args.val_fraction, args.seed)
         sel_x, sel_y, val_x, val_y = fit_x[tr], fit_y[tr], fit_x[va], fit_y[va]
 

@@ -24,14 +24,11 @@ import os
 
 import numpy as np
 import torch
-import torchvision.transforms as T
 
-from sce import UserError, cli, outdir, transfer
+from sce import UserError, cli, data, outdir, transfer
 from sce.checkpoint import checkpoint_arch, load_trunk
-from sce.device_decode import DecodedEval
 from sce.engine import compile_trunk, resolve_compile
 from sce.knn import split_features
-from sce.loader import MEAN, STD, eval_crop_size, eval_resize
 
 
 def shots_arg(value):
@@ -55,7 +52,6 @@ def get_parser():
     g.add_argument("--shots", metavar="K", type=shots_arg, nargs="+", default=[16, 32, 64, "full"],
                    help="positives drawn per class, or 'full' for all of trainval")
     g.add_argument("--runs", type=int, default=5, help="draws per K ('full': 1)")
-    g.add_argument("--seed", type=int, default=0, help="draw r of K uses the seed (SEED, K, r)")
     g.add_argument("--costs", metavar="C", type=float, nargs="+", default=[0.01, 0.1, 0.5, 1.0, 10.0, 100.0],
                    help="LinearSVC cost grid")
     g.add_argument("--cost-selection", default="test", choices=["test", "cv"],
@@ -74,13 +70,10 @@ def get_parser():
     g.add_argument("--crop-size", type=int, help="centre crop, in pixels (default: 224; a small-input trunk: the "
                    "crop size it was pretrained with, from its checkpoint)")
     g.add_argument("-b", "--batch-size", type=int, default=128, help="images per forward pass")
-    g.add_argument("-j", "--workers", type=int, default=cli.default_workers(),
-                   help=f"data-loading processes (default: the cores - 1, at most 16; here {cli.default_workers()})")
-    cli.add_amp_arg(g)
-    cli.add_compile_arg(g)
+    g = p.add_argument_group("runtime")
+    cli.add_runtime_args(g, os.path.join("runs", "lowshot"), "feature cache and lowshot.json",
+                         "seed of the draws: draw r of K uses (SEED, K, r)", "the trunk")
     cli.add_decode_arg(g)
-    g.add_argument("--output-dir", metavar="DIR", default=os.path.join("runs", "lowshot"),
-                   help="feature cache and lowshot.json")
     return p
 
 
@@ -105,14 +98,14 @@ def main(argv=None):
 
 def lowshot(args):
     # the VOC tree first: a broken one fails before any feature is computed
-    trainval_paths, trainval_y = transfer.read_voc07(args.data, "trainval")
-    test_paths, test_y = transfer.read_voc07(args.data, "test")
+    trainval_paths, trainval_y = data.read_voc07(args.data, "trainval")
+    test_paths, test_y = data.read_voc07(args.data, "test")
     trunk, feat_dim, ckpt = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)
     outdir.bind_evaluation(args.output_dir, args.pretrained, trunk, "voc07", args.data)
     arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
     small_input = isinstance(trunk.maxpool, torch.nn.Identity)
-    crop, why, warning = eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")
-    resize = args.resize or eval_resize(crop, small_input)
+    crop, why, warning = data.eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")
+    resize = args.resize or data.eval_resize(crop, small_input)
     if resize < crop:
         raise UserError(f"--resize {resize} is smaller than the {crop} px centre crop: pass --resize >= {crop}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,15 +117,14 @@ def lowshot(args):
     if warning:
         print(warning, flush=True)
 
-    tf = T.Compose([T.Resize(resize), T.CenterCrop(crop), T.ToTensor(), T.Normalize(MEAN, STD)])
-    on_device = cli.resolve_decode(args.decode, device) == "device"  # JPEGs decoded, resized, cropped there
+    route = "decode" if data.resolve_decode(args.decode, device) == "device" else "loader"  # JPEGs: there
 
     def features(split, paths, labels):
-        images = transfer.ImageList(paths, labels, tf, encoded=on_device)
-        feats = split_features(trunk, DecodedEval(images, crop, tf, resize) if on_device else images, split,
-                               args.output_dir, device, checkpoint=args.pretrained, batch_size=args.batch_size,
-                               workers=args.workers, amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=arch,
-                               small_input=small_input, dataset="voc07", data=os.path.abspath(args.data))
+        images = data.ImageList(paths, labels, read="encoded" if route == "decode" else "pil")
+        feats = split_features(trunk, data.eval_split(images, data.Geometry(crop, resize), device, route, args.workers),
+                               split, args.output_dir, checkpoint=args.pretrained, batch_size=args.batch_size,
+                               amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=arch, small_input=small_input,
+                               dataset="voc07", data=os.path.abspath(args.data))
         return transfer.l2_normalize_rows(feats)
 
     train_x = features("trainval", trainval_paths, trainval_y)
@@ -152,11 +144,11 @@ def lowshot(args):
                             for c in args.costs}
                 per_run.append({"images": len(idx), "test_map": per_cost})
             else:
-                drops = transfer.cv_drops(y, idx, args.cv_folds, args.seed, args.difficult)
+                splits = transfer.cv_splits(y, idx, args.cv_folds, args.seed, args.difficult)
+                drops = transfer.cv_drops(splits)
                 if drops:  # the same for every cost: said once per draw
                     print(f"K {k} draw {r + 1}/{runs}: {drops}", flush=True)
-                cv = {c: transfer.svm_cv_map(x, y, c, groups=idx, folds=args.cv_folds, seed=args.seed,
-                                             jobs=args.jobs, difficult=args.difficult, count=fits) for c in args.costs}
+                cv = {c: transfer.svm_cv_map(x, splits, c, args.jobs, fits) for c in args.costs}
                 cost = max(cv, key=cv.get)  # first best on ties
                 mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs, args.difficult, fits)[0]
                 per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap, "cv_drops": drops})

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Pretraining throughput, side by side in one run: the data loader alone (CPU vs GPU augmentation),
 the training step alone (synthetic device tensors), and both together, all through the code
-main_pretrain.py runs (sce.augment views, sce.device_augment, sce.engine.train_step).
+main_pretrain.py runs (sce.data.PretrainBatches, sce.engine.Step).
 
     python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
-    python benchmarks/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16   # per-image CPU cost
+    # the per-image CPU cost
+    python benchmarks/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16
     python benchmarks/bench_pretrain.py --arch resnet18 --small-input --crop-size 32 --queue-size 4096 \
         --shuffle-bn --bn-splits 8 --proj-hidden-dims 512 --proj-last-bn none --amp bf16 --channels-last \
         --preload --cuda-graph --skip-data                                   # RECIPES.md's CIFAR-10 setting
@@ -35,17 +36,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from photos import write_photos  # noqa: E402
-from sce import cli, compiling, device_augment, losses, preload  # noqa: E402
-from sce.augment import MultiView, View  # noqa: E402
-from sce.builder import SCE, build_trunk  # noqa: E402
-from sce.datasets import build_dataset  # noqa: E402
-from sce.device_augment import DeviceViews, views_to_device  # noqa: E402
+from sce import cli, compiling, data, losses  # noqa: E402
+from sce.builder import MomentumModel, build_trunk  # noqa: E402
 from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model, compile_trunk  # noqa: E402
-from sce.loader import ResumableSampler, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--data", metavar="DIR", help="an ImageFolder to read (default: photos written to a temporary folder)")
+parser.add_argument("--data", metavar="DIR",
+                    help="an ImageFolder to read (default: photos written to a temporary folder)")
 parser.add_argument("--images", type=int, default=512, help="photos written when --data is not given (default: 512)")
 parser.add_argument("--arch", default="resnet50", help="(default: resnet50)")
 parser.add_argument("--small-input", action="store_true", help="3x3 stride-1 conv1, no max-pool")
@@ -55,8 +53,8 @@ parser.add_argument("--queue-size", type=int, default=65536, help="(default: 655
 parser.add_argument("--amp", default="none", choices=["none", "fp16", "bf16"], help="(default: none)")
 parser.add_argument("--channels-last", action="store_true")
 parser.add_argument("--compile", action="store_true",
-                    help="torch.compile the encoders, the heads and the device augmentation (main_pretrain.py's default "
-                         "on CUDA)")
+                    help="torch.compile the encoders, the heads and the device augmentation (main_pretrain.py's "
+                         "default on CUDA)")
 parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
 parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with split BN of --bn-splits chunks")
 parser.add_argument("--bn-splits", type=int, default=8, help="split BN chunks under --shuffle-bn (default: 8)")
@@ -65,10 +63,10 @@ parser.add_argument("--proj-dim", type=int, default=256, help="(default: 256)")
 parser.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
                     help="(default: affine)")
 parser.add_argument("--cuda-graph", action="store_true",
-                    help="replay the step from a CUDA graph (sce.engine.GraphedStep)")
+                    help="replay the step from a CUDA graph (sce.engine.Step)")
 parser.add_argument("--preload", action="store_true",
-                    help="also end to end from images preloaded on the device (sce.preload): --data decoded once, "
-                         "else random images of --image-size")
+                    help="also end to end from images preloaded on the device (sce.data's preload route): --data "
+                         "decoded once, else random images of --image-size")
 parser.add_argument("--image-size", type=int, help="side of the random preloaded images (default: --crop-size)")
 parser.add_argument("--augment", nargs="+", default=["cpu", "gpu", "decode"], choices=["cpu", "gpu", "decode"],
                     help="pipelines to measure: cpu (all in the workers), gpu (photometric ops on the device), decode "
@@ -77,7 +75,8 @@ parser.add_argument("--augment", nargs="+", default=["cpu", "gpu", "decode"], ch
 parser.add_argument("--lincls", action="store_true",
                     help="also main_lincls.py as users run it on the photos: the linear probe's training and the kNN's "
                          "feature extraction, against a no-grad forward of the trunk")
-parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if present)")
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="(default: cuda if present)")
 parser.add_argument("--workers", type=int, default=cli.default_workers(),
                     help="loader processes; 0 measures one core in this process (default: main_pretrain.py's, "
                          f"cores - 1 up to 16, here {cli.default_workers()})")
@@ -108,6 +107,8 @@ SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=a
                bn_splits=args.bn_splits if args.shuffle_bn else 1, cuda_graph=args.cuda_graph)
 MEMORY_FORMAT = torch.channels_last if args.channels_last else torch.contiguous_format
 REFERENCE = {}  # images/s of supervised_reference and ideal_asymmetric
+SPECS = [data.ViewSpec("weak", args.crop_size), data.ViewSpec("strong", args.crop_size)]  # the defaults' views
+COMPILES = compiling.Log()
 results = []
 
 
@@ -137,26 +138,28 @@ class Cycle(torch.utils.data.Dataset):
         return self.dataset.path(i % len(self.dataset))
 
 
-def make_loader(dataset, augment, batches, workers=None):
-    views = MultiView([View("weak", args.crop_size, on_device=augment != "cpu"),
-                       View("strong", args.crop_size, on_device=augment != "cpu")])
+def make_batches(dataset, augment, batches, workers=None, compile=None):
+    """main_pretrain.py's PretrainBatches over `batches` batches of `dataset` (cycled), by route `augment`."""
     cycled = Cycle(dataset, batches * args.batch_size)
-    return pretrain_loader(cycled, views, ResumableSampler(len(cycled), args.batch_size), args.batch_size,
-                           args.workers if workers is None else workers, device, seed=0)
+    return data.PretrainBatches(cycled, SPECS, data.ResumableSampler(len(cycled), args.batch_size), 0, device, augment,
+                                workers=args.workers if workers is None else workers, dtype=amp_dtype,
+                                channels_last=args.channels_last, compile=args.compile if compile is None else compile,
+                                compiles=COMPILES)
 
 
 def build_training():
     """(Training, step function) as main_pretrain.py builds them: train_step, or its CUDA graph."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    model = SCE(losses.sce_loss, arch=args.arch, small_input=args.small_input, proj_hidden_dims=args.proj_hidden_dims,
-                proj_dim=args.proj_dim, proj_last_bn=args.proj_last_bn, queue_size=queue, symmetric=args.symmetric,
-                shuffle_bn=args.shuffle_bn, bn_splits=args.bn_splits if args.shuffle_bn else 1).to(device)
+    model = MomentumModel(losses.sce_loss, arch=args.arch, small_input=args.small_input,
+                          proj_hidden_dims=args.proj_hidden_dims, proj_dim=args.proj_dim,
+                          proj_last_bn=args.proj_last_bn, queue_size=queue, symmetric=args.symmetric,
+                          shuffle_bn=args.shuffle_bn, bn_splits=args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer("sgd", model, 0.1, 1e-4)
     if args.compile:
-        compile_model(model)
+        compile_model(model, COMPILES)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     terms = functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07)  # logged every step, as main_pretrain.py
     training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
@@ -209,21 +212,21 @@ def synthetic_views():
 def bench_data(dataset, augment):
     """The loader alone; for gpu and decode, then the device side (decoding, augmentation) of its last
     batch, timed apart."""
-    batches = iter(make_loader(dataset, augment, args.warmup + args.steps))
+    batches = make_batches(dataset, augment, args.warmup + args.steps)
+    loader = iter(batches.loader)
     for _ in range(args.warmup):
-        next(batches)
+        next(loader)
     start = time.perf_counter()
     for _ in range(args.steps):
-        batch = next(batches)
+        batch = next(loader)
     seconds = time.perf_counter() - start
-    views = batch if isinstance(batch, dict) else batch[0]  # a dict: JPEGs still encoded (decode)
     device_ms = eager_ms = None
     if augment != "cpu":  # as --compile says (main_pretrain.py's default on CUDA: compiled), then eager
-        device_ms = time_device_augment(views, compile=args.compile)
-        eager_ms = time_device_augment(views, compile=False)
+        device_ms = time_device_augment(batches, batch)
+        eager_ms = time_device_augment(make_batches(dataset, augment, 1, workers=0, compile=False), batch)
     if args.profile and augment != "cpu":
         with torch.profiler.profile() as prof:
-            views_to_device(views, device, amp_dtype, args.channels_last, args.compile)
+            batches.views(batch)
             sync()
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
@@ -233,12 +236,13 @@ def bench_data(dataset, augment):
            device_ms_per_batch=device_ms, device_ms_per_batch_eager=eager_ms)
 
 
-def time_device_augment(views, compile):
-    views_to_device(views, device, amp_dtype, args.channels_last, compile)  # compiles, if asked
+def time_device_augment(batches, batch):
+    """ms per batch of the device's side of a loader batch (decoding, crops, photometric ops, normalisation)."""
+    batches.views(batch)  # compiles, if asked
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
-        views_to_device(views, device, amp_dtype, args.channels_last, compile)
+        batches.views(batch)
     sync()
     return round(1000 * (time.perf_counter() - start) / args.steps, 2)
 
@@ -260,17 +264,17 @@ def no_compile_while_timed(graphs_before):
     """A row that timed a compile (a graph compiled after the warm-up) would report the compiler: stop."""
     new = compiling.graphs_compiled() - graphs_before
     if new:
-        raise SystemExit(f"error: {new} graph(s) compiled during the timed steps ({compiling.summary()}): the "
+        raise SystemExit(f"error: {new} graph(s) compiled during the timed steps ({COMPILES.summary()}): the "
                          "warm-up did not cover every compile (a recompile?)")
 
 
-def check_graph(step):
+def check_graph(step, batches=None):
     """A row that asked for a CUDA graph, or for compiled code, and ran eagerly would report the eager step as
     what it asked for: stop."""
-    if args.cuda_graph and getattr(step, "replay", None) is None:
+    if args.cuda_graph and not step.graphed:
         raise SystemExit("error: --cuda-graph: the step was not captured (see the warning above): its rows would "
                          "time eager steps")
-    if args.compile and (getattr(step, "failed", None) or device_augment.compile_failed):
+    if args.compile and (step.compile_failed or (batches is not None and batches.compiled.failed)):
         raise SystemExit("error: --compile: compiling failed and the step or the views ran eagerly (see the warning "
                          "above): its rows would time eager code")
 
@@ -288,7 +292,7 @@ def bench_train_step(training, step):
         training.guard = True
     step_s = time_steps(step, views)
     check_graph(step)
-    fields = dict(what="train_step", **SETTING, graph_captured=getattr(step, "replay", None) is not None,
+    fields = dict(what="train_step", **SETTING, graph_captured=step.graphed,
                   step_ms=round(1000 * step_s, 2),
                   images_per_s=round(args.batch_size / step_s, 1), **of_references(args.batch_size / step_s))
     if unguarded_s:
@@ -304,7 +308,7 @@ def bench_train_step(training, step):
 
 
 def criterion_ms(training, step_s):
-    """The loss and its logged terms as the step runs them (fp32, autocast off: sce.builder.SCE.forward), and
+    """The loss and its logged terms as the step runs them (fp32, autocast off: sce.builder.MomentumModel.forward), and
     the same under autocast in --amp's dtype, on embeddings and a queue of the setting's shapes: ms each
     (eager, kernel launches included) and the fp32 criterion's share of the step (an upper bound beside a
     CUDA graph's step, which launches nothing; one pair of a symmetric step's two)."""
@@ -340,41 +344,37 @@ def host_step_s(step, training):
 
 
 def run_pipeline(step, batches):
-    """The step over `batches` (views on the device: DeviceViews or preloaded), as main_pretrain.py
-    runs them. Returns images/s, the share of time spent waiting for the loader, and the iterator
-    (4 batches left)."""
+    """The step over `batches` (PretrainBatches: each a list of views on the device), as main_pretrain.py runs
+    them. Returns images/s, the share of time spent waiting for the loader, and the iterator (4 batches left)."""
     batches_iter = iter(batches)
     for _ in range(args.warmup):
-        views, _, _ = next(batches_iter)
-        step(views, 0.99)
+        step(next(batches_iter), 0.99)
     sync()
     batches.wait_s, graphs, start = 0.0, compiling.graphs_compiled(), time.perf_counter()
     for _ in range(args.steps):
-        views, _, _ = next(batches_iter)
-        step(views, 0.99)
+        step(next(batches_iter), 0.99)
     sync()
     seconds = time.perf_counter() - start
     no_compile_while_timed(graphs)
-    check_graph(step)
+    check_graph(step, batches)
     return args.steps * args.batch_size / seconds, batches.wait_s / seconds, batches_iter
 
 
 def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None, profile=True):
-    """The loader (workers: default --workers), DeviceViews, then the step; profiled under --profile
-    unless profile=False. augment 'preload': `dataset` is an sce.preload.Images, no loader."""
+    """PretrainBatches by route `augment` (workers: default --workers; 'preload': `dataset` decoded onto the
+    device first, no loader), then the step; profiled under --profile unless profile=False."""
     workers = 0 if augment == "preload" else args.workers if workers is None else workers
+    steps = args.warmup + args.steps + 4
     if augment == "preload":
-        batches = PreloadedEpochs(dataset)
+        batches = PreloadedEpochs(dataset, steps)
     else:
-        loader = make_loader(dataset, augment, args.warmup + args.steps + 4, workers)
-        batches = DeviceViews(loader, device, amp_dtype, args.channels_last, args.compile)
+        batches = make_batches(dataset, augment, steps, workers)
     images_per_s, wait, batches_iter = run_pipeline(step, batches)
     syncs, sites = count_host_syncs(step, batches_iter) if device.type == "cuda" else (None, None)
     if profile and args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
         with torch.profiler.profile() as prof:
             for _ in range(2):
-                views, _, _ = next(batches_iter)
-                step(views, 0.99)
+                step(next(batches_iter), 0.99)
             sync()
         print(f"end to end, augment {augment}, two steps:", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
@@ -385,40 +385,54 @@ def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None,
 
 
 class PreloadedEpochs:
-    """sce.preload.PreloadedViews over as many epochs as asked (a few hundred images feed any number
-    of steps), with the views of main_pretrain.py's defaults (weak target, strong online)."""
+    """The preload route's PretrainBatches over as many epochs as `steps` asks (a few hundred images feed any
+    number of steps), with the views of main_pretrain.py's defaults (weak target, strong online)."""
 
-    def __init__(self, images):
-        self.images, self.wait_s = images, 0.0
-        if len(images) < args.batch_size:
-            raise SystemExit(f"error: {len(images)} preloaded images make no batch of {args.batch_size}")
+    def __init__(self, dataset, steps):
+        if len(dataset) < args.batch_size:
+            raise SystemExit(f"error: {len(dataset)} images make no batch of {args.batch_size}")
+        self.sampler = data.ResumableSampler(len(dataset), args.batch_size)
+        self.batches = data.PretrainBatches(dataset, SPECS, self.sampler, 0, device, "gpu", try_preload=True,
+                                            required=True, workers=args.workers, dtype=amp_dtype,
+                                            channels_last=args.channels_last, compile=args.compile,
+                                            budget=data.Budget(device), compiles=COMPILES)
+        self.compiled, self.wait_s = self.batches.compiled, 0.0
 
     def __iter__(self):
-        sampler = ResumableSampler(len(self.images), args.batch_size)
-        views = MultiView([View(aug, args.crop_size, on_device=True) for aug in ("weak", "strong")])
         for epoch in itertools.count():
-            sampler.set_epoch(epoch)
-            yield from preload.PreloadedViews(self.images, views, sampler, 0, amp_dtype, args.channels_last,
-                                              args.compile)
+            self.sampler.set_epoch(epoch)
+            yield from self.batches
 
 
-def preloaded_images(dataset):
-    """--data (dataset) decoded once onto the device, else 4 batches of random images of --image-size."""
-    if args.data:
-        return preload.preload(dataset, device, required=True, workers=args.workers)
-    size = args.image_size or args.crop_size
-    g = torch.Generator().manual_seed(0)
-    return preload.Images(torch.randint(0, 256, (4 * args.batch_size, 3, size, size), generator=g,
-                                        dtype=torch.uint8).to(device))
+class RandomImages(torch.utils.data.Dataset):
+    """4 batches of random uint8 images of --image-size, for the preload route without --data."""
+
+    def __init__(self):
+        size = args.image_size or args.crop_size
+        g = torch.Generator().manual_seed(0)
+        self.images = torch.randint(0, 256, (4 * args.batch_size, 3, size, size), generator=g, dtype=torch.uint8)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], 0
 
 
 def bench_device_pipeline(step, dataset, compute_images_per_s):
     """End to end without the loader's CPU load: 4 of its batches (pinned), read once and cycled,
-    through DeviceViews (device augmentation) and train_step. Against end_to_end, it tells the
+    through the device's side of the gpu route and the step. Against end_to_end, it tells the
     device side's cost from the host's (loader workers competing with the training process)."""
-    cached = list(itertools.islice(iter(make_loader(dataset, "gpu", 4)), 4))
-    source = (cached[i % 4] for i in range(args.warmup + args.steps + 4))
-    images_per_s, _, _ = run_pipeline(step, DeviceViews(source, device, amp_dtype, args.channels_last, args.compile))
+    batches = make_batches(dataset, "gpu", 4)
+    cached = list(itertools.islice(iter(batches.loader), 4))
+
+    class Cached:
+        wait_s, compiled = 0.0, batches.compiled
+
+        def __iter__(self):
+            for i in range(args.warmup + args.steps + 4):
+                yield batches.views(cached[i % 4])
+    images_per_s, _, _ = run_pipeline(step, Cached())
     report(what="device_pipeline", augment="gpu", **SETTING, images_per_s=round(images_per_s, 1),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None)
 
@@ -443,8 +457,7 @@ def count_host_syncs(step, batches_iter, steps=2):
         warnings.showwarning = record
         try:
             for _ in range(steps):
-                views, _, _ = next(batches_iter)
-                step(views, 0.99)
+                step(next(batches_iter), 0.99)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return len(sites) / steps, sorted(set(sites))
@@ -528,7 +541,7 @@ if args.workers == 0:  # the loader's work in this process: one core, as in a wo
 with tempfile.TemporaryDirectory() as tmp:
     root = args.data or write_photos(tmp, args.images)
     pipelines = [] if args.skip_data else args.augment
-    datasets = {a: build_dataset("imagefolder", root, "pretrain", as_tensor=a != "cpu", encoded=a == "decode")
+    datasets = {a: data.build_dataset("imagefolder", root, "pretrain", read=data.READ[a])
                 for a in set(pipelines) | ({"gpu"} if args.preload and args.data else set())}
     if not args.skip_data:
         for augment in args.augment:
@@ -538,7 +551,7 @@ with tempfile.TemporaryDirectory() as tmp:
         training, step = build_training()
         compute = bench_train_step(training, step)
         if args.preload:
-            bench_end_to_end(step, preloaded_images(datasets.get("gpu")), "preload", compute)
+            bench_end_to_end(step, datasets["gpu"] if args.data else RandomImages(), "preload", compute)
         if not args.skip_data:
             for augment in args.augment:
                 bench_end_to_end(step, datasets[augment], augment, compute)

@@ -85,14 +85,6 @@ def temp_files(out):
     return {f for f in os.listdir(out) if ".tmp" in f} if os.path.isdir(out) else set()
 
 
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def final_state(out):
     ckpt = checkpoint.load(os.path.join(out, "checkpoint_last.pth"))
     return ckpt["step"], ckpt["model"]
@@ -187,7 +179,7 @@ def main():
                 code = proc.wait(120)
             except subprocess.TimeoutExpired:
                 sys.exit(f"error: the run did not stop within 120 s after {mode}: see {log_path}")
-            while any(alive(p) for p in pids):
+            while any(checkpoint.alive(p) for p in pids):
                 if time.time() - t0 > 120:
                     sys.exit(f"error: ranks still alive 120 s after {mode}: see {log_path}")
                 time.sleep(0.05)

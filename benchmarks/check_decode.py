@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""How far the device's JPEG decoder (sce.device_decode: torchvision's decode_jpeg on CUDA, the GPU's JPEG
+"""How far the device's JPEG decoder (sce.data's JpegDecoder: torchvision's decode_jpeg on CUDA, the GPU's JPEG
 engines) is from libjpeg-turbo (its CPU decoder, what the loader workers use), in 8-bit levels over every
-pixel of the JPEGs training sends there (sce.datasets.read_header's plain ones); exit 1 past the bounds.
+pixel of the JPEGs training sends there (sce.data.read_header's plain ones); exit 1 past the bounds.
 
     python benchmarks/check_decode.py [--data DIR] [--images 64] [--max-mean 2] [--max-diff 80]
 
@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from photos import write_photos  # noqa: E402
-from sce.datasets import decode_rgb_tensor, read_header  # noqa: E402
-from sce.device_decode import decode_all  # noqa: E402
+from sce.data import JpegDecoder, decode_rgb_tensor, read_header  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR", help="a folder of JPEG files (searched recursively)")
@@ -39,8 +38,7 @@ with tempfile.TemporaryDirectory() as tmp:
              for d in itertools.islice((d for d in files if read_header(d)[3]), args.images)]
     if not datas:
         sys.exit(f"error: no baseline JPEG under {root}")
-    batch = {"jpeg": torch.cat(datas), "lengths": [len(d) for d in datas]}  # as sce.loader.collate_views sends them
-    on_device = decode_all(batch, torch.device(args.device))
+    on_device = JpegDecoder(torch.device(args.device))(datas)
     diffs = [(d.cpu().int() - decode_rgb_tensor(b.numpy().tobytes()).int()).abs() for d, b in zip(on_device, datas)]
 mean = float(torch.cat([d.flatten() for d in diffs]).float().mean())
 largest = max(int(d.max()) for d in diffs)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sce import losses  # noqa: E402
-from sce.builder import SCE  # noqa: E402
+from sce.builder import MomentumModel  # noqa: E402
 from sce.engine import GRAPH_WARMUP, Training, build_step, lr_as_tensors, train_step  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 
@@ -31,7 +31,7 @@ torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 def training(lam):
     torch.manual_seed(0)
-    model = SCE(functools.partial(losses.sce_loss, lambda_=lam, tau=0.2, tau_m=0.1), arch="resnet18",
+    model = MomentumModel(functools.partial(losses.sce_loss, lambda_=lam, tau=0.2, tau_m=0.1), arch="resnet18",
                 small_input=True, proj_hidden_dims=[512], proj_dim=256, proj_last_bn="none", queue_size=4096,
                 bn_splits=8).to(device)
     optimizer = build_optimizer("sgd", model, 0.06, 5e-4)
@@ -55,7 +55,7 @@ for name in ("eager", "graph"):
         # a graph's outputs are overwritten by its next replay: read them now
         out.append([float(loss)] + [float(terms[k]) for k in ("infonce", "ressl", "ceil")])
     runs[name] = (out, {k: v.clone() for k, v in t.model.state_dict().items()})
-    if name == "graph" and getattr(step, "replay", None) is None:
+    if name == "graph" and not step.graphed:
         sys.exit("error: the step was not captured as a CUDA graph (see the warning above)")
 (eager, eager_state), (graph, graph_state) = runs["eager"], runs["graph"]
 worst = max((eager_state[k].float() - graph_state[k].float()).abs().max().item() for k in eager_state)

@@ -29,7 +29,7 @@ check graph_equals_eager 60 "$PY" benchmarks/check_graph.py
 check decode_pixels 30 "$PY" benchmarks/check_decode.py
 # the demo's ImageFolder (scikit-learn's digits, 1437 train images): fp16 through GradScaler and LARS, batch 56
 DIGITS=$LOG/digits
-"$PY" -c "import sys; from sce.datasets import digits_imagefolder; digits_imagefolder(sys.argv[1])" "$DIGITS" \
+"$PY" -c "import sys; from sce.data import digits_imagefolder; digits_imagefolder(sys.argv[1])" "$DIGITS" \
     >> "$LOG/checks.log" 2>&1
 FP16="main_pretrain.py --data $DIGITS --arch resnet18 --small-input --crop-size 16 --proj-hidden-dims 512
       --batch-size 56 --queue-size 4032 --epochs 2 --amp fp16 --optimizer lars --no-compile --print-freq 5

@@ -68,10 +68,10 @@ if command -v flock > /dev/null; then
     echo "PID $$" > "$OUT/.lock.pid"
 fi
 # which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
-$PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" 9>&- || exit 1
-if [ "${SMOKE:-0}" = 1 ]; then  # checks the script, not the numbers: a small ImageFolder of the data
-    $PYTHON benchmarks/reproduce_tools.py smoke "$OUT/data.env" "$OUT/smoke_data" 9>&- || exit 1
-fi
+# (SMOKE=1 checks the script, not the numbers: it trains on a small ImageFolder written from the data)
+smoke_dir=(); [ "${SMOKE:-0}" = 1 ] && smoke_dir=("$OUT/smoke_data")
+$PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- \
+    || exit 1
 # shellcheck disable=SC1091
 source "$OUT/data.env"  # FORMAT (the --dataset of the scripts), ROOT, split sizes, DEVICE (cpu or the GPU's name)
 if [ "${SMOKE:-0}" = 1 ]; then

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """The Python steps of benchmarks/reproduce.sh:
 
-    check DATASET DATA_DIR ENV_FILE       which layout DATA_DIR holds, read whole; writes FORMAT, ROOT and the
-                                          split sizes as shell variables to ENV_FILE
-    smoke ENV_FILE DIR                    SMOKE=1: a small ImageFolder in DIR (the first 10 classes, 16 train and
-                                          8 val images each) written from ENV_FILE's data; ENV_FILE then names it
+    check DATASET DATA_DIR ENV_FILE [SMOKE_DIR]
+                                          which layout DATA_DIR holds, read whole; writes FORMAT, ROOT and the
+                                          split sizes as shell variables to ENV_FILE. With SMOKE_DIR (SMOKE=1): a
+                                          small ImageFolder there (the first 10 classes, 16 train and 8 val images
+                                          each), which ENV_FILE then names
     estimate LOG ENV_FILE PRETRAIN LINEAR METHOD...
                                           each stage's estimated time, from the rate of the first epoch's last
                                           progress line in LOG
@@ -18,7 +19,7 @@ import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sce import UserError  # noqa: E402  (sce.loader, with torch, is imported by `check` alone: seconds)
+from sce import UserError  # noqa: E402  (sce.data, with torch, is imported by the steps that read data)
 
 # the paper's baselines table (Sec. 4.2), linear top-1: SCE, and the authors' reproductions of ReSSL and MoCo v2
 PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
@@ -50,13 +51,12 @@ def layout(dataset, data):
     raise UserError(f"{data} holds none of {dataset}'s layouts: expected {folder}/ ({what}, as downloaded){other}")
 
 
-def check(dataset, data, env_file):
+def check(dataset, data, env_file, smoke_dir=None):
     if not os.path.isdir(data):
         raise UserError(f"DATA_DIR {data} is not a folder: pass the folder of the {dataset} download")
     fmt, root, found = layout(dataset, data)
     import torch  # here: a wrong folder is said without the seconds of importing torch
-    from sce.datasets import build_dataset
-    from sce.evaldata import read_splits
+    from sce.data import build_dataset, read_splits
     train, val, _ = read_splits(fmt, root)  # the evaluations' reader and class checks
     pretrain = build_dataset(fmt, root, "pretrain")
     print(f"=> {dataset}: {found} under {data}: {len(pretrain)} pretraining images, {len(train)} train / {len(val)} "
@@ -64,6 +64,8 @@ def check(dataset, data, env_file):
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     write_env(env_file, FORMAT=fmt, ROOT=root, PRETRAIN_IMAGES=len(pretrain), TRAIN_IMAGES=len(train), DEVICE=device,
               TORCH=torch.__version__)
+    if smoke_dir:
+        smoke(env_file, smoke_dir)  # in this process: torch is imported once
 
 
 def write_env(env_file, **variables):
@@ -78,7 +80,7 @@ def smoke(env_file, folder):
     """The first SMOKE_CLASSES classes' first images of each split, as PNG files of an ImageFolder (the same
     files at every rerun, so that a stopped SMOKE run resumes); env_file then points at it."""
     env = read_env(env_file)
-    from sce.evaldata import read_splits
+    from sce.data import read_splits
     if not os.path.isfile(os.path.join(folder, ".complete")):
         for split, ds in zip(("train", "val"), read_splits(env["FORMAT"], env["ROOT"])[:2]):
             taken = {}
@@ -190,8 +192,6 @@ def main(argv):
     command, rest = argv[0], argv[1:]
     if command == "check":
         check(*rest)
-    elif command == "smoke":
-        smoke(*rest)
     elif command == "estimate":
         estimate(*rest[:4], rest[4:])
     else:

@@ -1,4 +1,5 @@
-"""The SCE model: online and momentum ResNet + heads, the queue, and the per-view losses."""
+"""The model of SCE and its baselines: an online and a momentum ResNet with heads, the queue, and the loss
+averaged over the (target view, query view) pairs of a step."""
 import copy
 import math
 
@@ -119,8 +120,9 @@ def momentum_at(step, total_steps, m0, schedule="cosine"):
     return 1 - (1 - m0) * (math.cos(math.pi * step / total_steps) + 1) / 2
 
 
-class SCE(nn.Module):
-    """Siamese momentum model shared by SCE, MoCo v2 and ReSSL (they differ by `criterion`).
+class MomentumModel(nn.Module):
+    """The online and momentum branches and the queue shared by SCE, MoCo v2 and ReSSL (they differ by
+    `criterion`).
 
     views[0], views[1] are the global views (view 0 the target view of the asymmetric loss),
     views[2:] local crops. Asymmetric: view 0 is the only target, every other view a query.
@@ -197,7 +199,7 @@ class SCE(nn.Module):
         # shuffle-BN (MoCo): BN statistics of the keys come from a random subset of the global
         # batch; on one process the split BN layers make the subsets
         x_all = du.all_gather(x)
-        # rand + argsort: a permutation drawn on the device, which a CUDA graph captures (GraphedStep)
+        # rand + argsort: a permutation drawn on the device, which a CUDA graph captures (sce.engine.Step)
         perm = du.broadcast(torch.rand(len(x_all), device=x.device).argsort())
         world, rank = du.world_size(), du.rank()
         out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))

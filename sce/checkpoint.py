@@ -1,7 +1,7 @@
 """Checkpoints: atomic writes, keep-last-K, safe loading, and trunk extraction for evaluation.
 
 A main_pretrain.py checkpoint is a dict with kind "pretrain", epoch (completed epochs), step
-(completed optimizer steps), args (dict), model (SCE state dict: encoder.*, projector.*,
+(completed optimizer steps), args (dict), model (MomentumModel state dict: encoder.*, projector.*,
 predictor.*, momentum_encoder.*, momentum_projector.*, queue, queue_ptr), optimizer, scaler and
 the RNG/data position needed to continue. main_lincls.py writes kind "lincls" with a
 torchvision-style model (conv1..., layerN..., fc.*). A plain torchvision state dict is accepted
@@ -53,8 +53,14 @@ def save_atomic(obj, path):
 
 
 def alive(pid):
-    """Whether process `pid` exists on this machine."""
-    try:
+    """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended)."""
+    if os.path.isdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    try:  # no /proc: whether the process exists
         os.kill(pid, 0)
     except ProcessLookupError:
         return False

@@ -14,7 +14,7 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, device_decode
+from sce import UserError, checkpoint
 from sce.builder import ARCHS
 
 # ---------------------------------------------------------------- --help
@@ -98,33 +98,50 @@ def check_ranges(positive=(), at_least_zero=(), unit_interval=()):
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def add_amp_arg(parser):
-    """--amp none|fp16|bf16; a bare --amp is the former on/off switch: torch.autocast's own dtype,
-    fp16 on a GPU and bf16 on a CPU."""
+def add_runtime_args(g, output_dir, output_help, seed_help, compile_help, resume_help=None):
+    """The flags every script shares, one spelling and one behaviour: -j/--workers, --amp, --compile, --seed,
+    --output-dir, and --resume where a script continues runs. A bare --amp is the former on/off switch:
+    torch.autocast's own dtype, fp16 on a GPU and bf16 on a CPU."""
+    g.add_argument("-j", "--workers", type=int, default=default_workers(),
+                   help="data-loading processes per rank (default: the node's cores / its ranks - 1, at most 16; "
+                        f"here {default_workers()})")
     const = "fp16" if torch.cuda.is_available() else "bf16"
-    parser.add_argument("--amp", default="none", choices=list(AMP), nargs="?", const=const,
-                        help="mixed precision (autocast) in fp16 or bf16; a bare --amp is the former "
-                        f"switch: fp16 on GPU, bf16 on CPU (here {const})")
+    g.add_argument("--amp", default="none", choices=list(AMP), nargs="?", const=const,
+                   help=f"mixed precision (autocast) in fp16 or bf16; a bare --amp: fp16 on GPU, bf16 on CPU (here "
+                        f"{const})")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help=f"torch.compile {compile_help}; a failed compile warns and runs eagerly (default: on CUDA "
+                        "with Triton; off on CPU, where compiling a ResNet takes minutes)")
+    g.add_argument("--seed", type=int, default=0, help=seed_help)
+    g.add_argument("--output-dir", default=output_dir, metavar="DIR",
+                   help=f"{output_help} (one run at a time holds the folder)")
+    if resume_help:
+        g.add_argument("--resume", default="auto", metavar="PATH",
+                       help=f"auto: continue from OUTPUT_DIR/checkpoint_last.pth if there is one ({resume_help}); a "
+                            "checkpoint path: continue that one; none: start fresh (an OUTPUT_DIR holding a "
+                            "checkpoint is refused) (default: auto)")
 
 
-def add_compile_arg(parser):
-    """--compile / --no-compile of the frozen trunk; None (auto) is resolved by sce.engine.resolve_compile."""
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                        help="torch.compile the trunk; a failed compile warns and runs eagerly (default: on CUDA "
-                             "with Triton; off on CPU, where compiling a ResNet takes minutes)")
+def add_data_args(g, preload_help, datasets):
+    """--dataset, --preload and --decode, for the scripts that read a --dataset layout."""
+    g.add_argument("--dataset", default="imagefolder", choices=datasets,
+                   help="layout of --data (an ImageFolder: DIR/train and DIR/val, pretraining DIR/train if present)")
+    g.add_argument("--preload", default="auto", choices=["auto", "device", "off"], help=preload_help)
+    add_decode_arg(g)
 
 
-def add_decode_arg(parser):
-    """--decode auto|device|loader of the evaluation scripts; auto is resolved by resolve_decode."""
-    parser.add_argument("--decode", default="auto", choices=["auto", "device", "loader"],
-                        help="device: JPEG files decoded, resized and cropped on the device (the GPU's JPEG "
-                             "engines; other files by the workers); loader: all by the loader's workers; auto: device "
-                             "on a GPU with JPEG engines (A100, H100, H200, ...)")
+def add_knn_args(g):
+    """--knn-k and --knn-t of the weighted kNN vote (sce.knn), the kNN monitor's and main_lincls.py --knn's."""
+    g.add_argument("--knn-k", type=int, default=200, help="neighbours that vote")
+    g.add_argument("--knn-t", type=float, default=0.07, help="temperature: votes weigh exp(cos / t)")
 
 
-def resolve_decode(decode, device):
-    """--decode auto: device where torchvision decodes JPEGs on it (a GPU), else loader."""
-    return ("device" if device_decode.available(device) else "loader") if decode == "auto" else decode
+def add_decode_arg(g):
+    """--decode auto|device|loader (sce.data.resolve_decode)."""
+    g.add_argument("--decode", default="auto", choices=["auto", "device", "loader"],
+                   help="device: JPEG files decoded, cropped and resized on the device (the GPU's JPEG engines; "
+                        "other files, PNG or progressive JPEG, by the workers); loader: all by the loader's "
+                        "workers; auto: device on a GPU with JPEG engines (A100, H100, H200, ...), else loader")
 
 
 def autocast(device, amp):
@@ -186,23 +203,8 @@ def stop_with_parent():
         return
     parent = os.getppid()
 
-    def ended(pid):
-        if os.path.isdir("/proc"):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-            except FileNotFoundError:
-                return True
-        try:  # no /proc: whether the process exists
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's
-            pass
-        return False
-
     def watch():
-        while os.getppid() == parent and not ended(int(watched)):
+        while os.getppid() == parent and checkpoint.alive(int(watched)):
             time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=watch, daemon=True, name="stop-with-parent").start()

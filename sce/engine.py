@@ -8,7 +8,6 @@ when they are finite, as in MoCo. That costs a few kernel launches, against a co
 branches and the optimizer.
 """
 import dataclasses
-import functools
 import importlib.util
 import os
 import shutil
@@ -25,7 +24,7 @@ GRAPH_WARMUP = 3  # eager steps before a CUDA graph's capture: compiles and cuDN
 @dataclasses.dataclass
 class Training:
     """What a training step uses and updates."""
-    model: torch.nn.Module  # the SCE model
+    model: torch.nn.Module  # the MomentumModel (sce.builder)
     ddp_model: torch.nn.Module  # the same, wrapped in DDP on several ranks
     optimizer: torch.optim.Optimizer  # fused SGD or LARS (sce.optim)
     scaler: torch.amp.GradScaler = None  # fp16 only
@@ -33,7 +32,7 @@ class Training:
     bn_stats: list = None  # running means and variances of every BN layer; filled from the model
     guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
     terms: object = None  # f(q, k, queue) -> the logged terms of eq. 10 (losses.loss_terms), or None
-    autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (GraphedStep)
+    autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (Step "graphed")
 
     def __post_init__(self):
         if self.bn_stats is None:
@@ -67,7 +66,7 @@ def train_step(t, views, momentum):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    terms = t.terms(*outputs) if t.terms else None  # the logged terms of eq. 10 in fp32, as the loss (SCE.forward)
+    terms = t.terms(*outputs) if t.terms else None  # eq. 10's logged terms, in fp32 as the loss is
     return loss.detach(), finite, terms
 
 
@@ -94,34 +93,71 @@ def restore_unless_finite(tensors, backup, finite):
     torch._foreach_copy_(tensors, list(kept.split([t.numel() for t in tensors])))
 
 
-class GraphedStep:
-    """train_step(training, views, momentum) replayed from a CUDA graph: one launch for the whole step
-    (forward, backward, optimizer, EMA, queue, non-finite guard, logged terms) instead of hundreds,
-    which is what a small model on small images is bound by.
+class Step:
+    """The training step of main_pretrain.py and the benchmark: step(views, momentum) -> (loss, finite, terms).
 
-    The first `warmup` calls are ordinary eager steps (on a side stream, as capture requires); the
-    next call captures the step on static copies of its inputs, then replays it; from then on each call
-    copies the views in and replays. What changes from step to step reaches the graph through device
-    tensors filled in place: the lr (lr_as_tensors, then set_lr), the EMA momentum (filled here) and
-    lambda (the criterion's tensor, filled by the caller). Outputs are the graph's static tensors,
-    overwritten by the next call. If the capture fails, one warning and eager steps from then on.
-    `graphs`: the capture mechanism (CudaGraphs; tests use a CPU stand-in)."""
+    compiled: its modules were torch.compile'd (compile_model). torch.compile compiles at the first call, the
+    backward at the first backward, so during the first WATCH calls the model, optimizer, scaler and RNG states
+    are copied (to host memory) before each call: if a call raises, they are put back, the modules turn eager,
+    the same call runs again and one warning names the cause (`compile_failed`; `compiled` is False from then
+    on). An error of the eager call is not the compiler's: it propagates.
+    graphs (the capture mechanism: CudaGraphs; the tests use a CPU stand-in): the first `warmup` calls are eager
+    steps (on a side stream, as capture requires); the next captures the step on static copies of its inputs
+    (`capture_s` seconds, at call `captured_at`), then replays it: one launch for the whole step instead of
+    hundreds, what a small model on small images is bound by. From then on each call copies the views in and
+    replays (`graphed`); what changes from step to step reaches the graph through device tensors filled in
+    place (the lr: lr_as_tensors then set_lr; the EMA momentum, filled here; lambda, the criterion's tensor,
+    filled by the caller); the outputs are the graph's static tensors, overwritten by the next call. A failed
+    capture warns once (`capture_failed`) and runs eager steps from then on."""
+    WATCH = 3
 
-    def __init__(self, training, graphs, warmup=GRAPH_WARMUP):
-        self.t, self.graphs, self.warmup = training, graphs, warmup
-        self.calls, self.replay, self.outputs, self.failed = 0, None, None, False
-        self.capture_s = None  # seconds the capture took, once done
-        training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs notes)
+    def __init__(self, training, compiled=False, graphs=None, warmup=GRAPH_WARMUP):
+        self.t, self.compiled, self.graphs, self.warmup = training, compiled, graphs, warmup
+        self.calls, self.watch = 0, self.WATCH if compiled else 0
+        self.compile_failed = self.capture_failed = None  # the cause, once it failed
+        self.capture_s = self.captured_at = None
+        self.replay = self.outputs = self.static_views = self.momentum = None
+        if graphs:
+            training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs)
+
+    def describe(self):
+        """What the step is, for the start-up line."""
+        return (f"CUDA graph after {self.warmup} steps" if self.graphs else "compiled" if self.compiled else "eager")
+
+    @property
+    def graphed(self):
+        """Whether the step replays a captured graph now."""
+        return self.replay is not None
 
     def __call__(self, views, momentum):
         self.calls += 1
-        if self.replay is None and not self.failed and self.calls > self.warmup:
+        if self.watch <= 0:
+            return self._run(views, momentum)
+        self.watch -= 1
+        saved = self._save()
+        try:
+            return self._run(views, momentum)
+        except Exception as e:  # noqa: BLE001: whatever stopped the compiled step, the eager one decides
+            self.watch, self.compiled = 0, False
+            self._restore(saved)
+            revert_to_eager(self.t.model)
+            out = self._run(views, momentum)
+            self.compile_failed = error_line(e)
+            warnings.warn(f"--compile: torch.compile of the training step failed ({self.compile_failed}): running "
+                          "it eagerly")
+            return out
+
+    def _run(self, views, momentum):
+        if self.graphs is None:
+            return train_step(self.t, views, momentum)
+        if self.replay is None and self.capture_failed is None and self.calls > self.warmup:
             self._capture(views)
-        fits = self.replay is not None and all(s.shape == v.shape and s.dtype == v.dtype and s.stride() == v.stride()
-                                               for s, v in zip(self.views, views)) and len(views) == len(self.views)
+        fits = self.replay is not None and len(views) == len(self.static_views) and all(
+            s.shape == v.shape and s.dtype == v.dtype and s.stride() == v.stride()
+            for s, v in zip(self.static_views, views))
         if not fits:  # before the capture, or views of another shape: an eager step
             return self.graphs.eager(lambda: train_step(self.t, views, momentum))
-        for static, view in zip(self.views, views):
+        for static, view in zip(self.static_views, views):
             static.copy_(view)
         self.momentum.fill_(momentum)
         self.replay()
@@ -129,132 +165,17 @@ class GraphedStep:
 
     def _capture(self, views):
         start = time.time()
-        self.views = [v.clone() for v in views]
+        self.static_views = [v.clone() for v in views]
         self.momentum = torch.zeros((), device=views[0].device)
         try:
-            self.replay, self.outputs = self.graphs.capture(lambda: train_step(self.t, self.views, self.momentum))
+            self.replay, self.outputs = self.graphs.capture(
+                lambda: train_step(self.t, self.static_views, self.momentum))
         except Exception as e:  # noqa: BLE001: whatever stopped the capture, the eager step still works
-            self.replay, self.failed = None, True
-            warnings.warn(f"CUDA graph capture of the training step failed ({error_line(e)}): running it eagerly")
+            self.replay, self.capture_failed = None, error_line(e)
+            warnings.warn(f"CUDA graph capture of the training step failed ({self.capture_failed}): running it "
+                          "eagerly")
             return
-        self.capture_s = time.time() - start
-
-
-class CudaGraphs:
-    """torch.cuda.graphs for GraphedStep: eager steps on a side stream, capture into a CUDAGraph."""
-
-    def __init__(self, device):
-        self.stream = torch.cuda.Stream(device)
-
-    def eager(self, fn):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            out = fn()
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return out
-
-    def capture(self, fn):
-        """(replay, outputs): replay() runs the captured work; outputs() its static output tensors."""
-        self.stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the loader's pin-memory thread may call CUDA (cudaHostAlloc) during the capture
-        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-            out = fn()
-        return graph.replay, lambda: out
-
-
-def build_step(training, device, cuda_graph=False, compile=False):
-    """The step f(views, momentum) -> (loss, finite, terms) of main_pretrain.py and of the benchmark:
-    train_step, or its CUDA graph captured after GRAPH_WARMUP eager steps; compiled modules (compile)
-    turn eager again if compiling fails."""
-    step = functools.partial(train_step, training)
-    if cuda_graph:
-        lr_as_tensors(training.optimizer, device)
-        step = GraphedStep(training, CudaGraphs(device))
-    return CompileFallback(step, training) if compile else step
-
-
-def lr_as_tensors(optimizer, device):
-    """Each group's lr as a device tensor, which sce.optim.set_lr fills in place (a CUDA graph reads it)."""
-    for group in optimizer.param_groups:
-        group["lr"] = torch.tensor(float(group["lr"]), device=device)
-
-
-def check_compile(device):
-    """A one-line error, before any work, where torch.compile cannot run."""
-    fix = "drop --compile"
-    if not torch._dynamo.is_dynamo_supported():
-        raise UserError(f"--compile: torch.compile does not support this Python / platform: {fix}")
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        raise UserError(f"--compile on GPU needs Triton, which is not installed: pip install triton, or {fix}")
-    if device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
-        raise UserError(f"--compile on CPU needs a C++ compiler ({os.environ.get('CXX', 'g++')} not found): {fix}")
-
-
-def compile_model(model):
-    """torch.compile the encoders and heads in place; the queue, the all_gather and the loss stay
-    eager. nn.Module.compile keeps the state-dict keys, so compiled and eager checkpoints mix. A module
-    without parameters (the default Identity predictor) stays eager: its empty graph on the shared
-    compiled wrapper left the heads running uncompiled from the second call, and split BN recompiling."""
-    for name in ("encoder", "projector", "predictor", "momentum_encoder", "momentum_projector"):
-        module = getattr(model, name)
-        if any(True for _ in module.parameters()):
-            module.compile()
-            module._compiled_call_impl = compiling.timed(name, module._compiled_call_impl)
-
-
-def resolve_compile(flag, device):
-    """--compile (True), --no-compile (False) or auto (None) -> whether to compile: auto is on where
-    it pays, CUDA with Triton, and off on CPU (Inductor's C++ build of a ResNet takes minutes there)."""
-    if flag:
-        check_compile(device)  # asked for where it cannot run: one line
-        return True
-    return (flag is None and device.type == "cuda" and torch._dynamo.is_dynamo_supported()
-            and importlib.util.find_spec("triton") is not None)
-
-
-def error_line(e):
-    """The cause of an error in one line; of a failed compile, the compiler's (BackendCompilerFailed wraps it)."""
-    e = getattr(e, "inner_exception", e)
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-
-
-def revert_to_eager(model):
-    """Undo nn.Module.compile on `model` and its submodules."""
-    for module in model.modules():
-        module._compiled_call_impl = None
-
-
-class CompileFallback:
-    """The training step of compiled modules, eager again if compiling fails. torch.compile compiles
-    at the first call, the backward at the first backward; during the first `watch` calls the model,
-    optimizer, scaler and RNG states are copied (to host memory) before each call. If a call raises,
-    they are put back, the modules turn eager and the same call runs again; then one warning names
-    the cause. An error of the eager call is not the compiler's: it propagates. After `watch` calls
-    that passed, no more copies."""
-
-    def __init__(self, step, training, watch=3):
-        self.step, self.t, self.watch = step, training, watch
-        self.failed = None  # the cause, once compiling failed
-
-    def __getattr__(self, name):  # the wrapped step's attributes (GraphedStep.capture_s)
-        return getattr(self.__dict__["step"], name)
-
-    def __call__(self, *args):
-        if self.watch <= 0:
-            return self.step(*args)
-        self.watch -= 1
-        saved = self._save()
-        try:
-            return self.step(*args)
-        except Exception as e:  # noqa: BLE001: whatever stopped the compiled step, the eager one decides
-            self.watch = 0
-            self._restore(saved)
-            revert_to_eager(self.t.model)
-            out = self.step(*args)
-            self.failed = error_line(e)
-            warnings.warn(f"--compile: torch.compile of the training step failed ({self.failed}): running it eagerly")
-            return out
+        self.capture_s, self.captured_at = time.time() - start, self.calls
 
     def _save(self):
         t, cpu = self.t, lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
@@ -279,11 +200,96 @@ class CompileFallback:
         torch.set_rng_state(saved["rng"])
 
 
-def compile_trunk(module):
-    """torch.compile a frozen trunk in place (state-dict keys kept). In eval mode it changes no state,
-    so a compiled call that fails is simply redone eagerly: one warning, and the module stays eager."""
+class CudaGraphs:
+    """torch.cuda.graphs for Step: eager steps on a side stream, capture into a CUDAGraph."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+
+    def eager(self, fn):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def capture(self, fn):
+        """(replay, outputs): replay() runs the captured work; outputs() its static output tensors."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the loader's pin-memory thread may call CUDA (cudaHostAlloc) during the capture
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, lambda: out
+
+
+def build_step(training, device, cuda_graph=False, compile=False, graphs=None):
+    """The Step of main_pretrain.py and of the benchmark: replayed from a CUDA graph (cuda_graph; `graphs` the
+    capture mechanism, CudaGraphs on the device by default), of compiled modules (compile: they were
+    compile_model'd) or eager."""
+    if cuda_graph:
+        lr_as_tensors(training.optimizer, device)
+    return Step(training, compile, (graphs or CudaGraphs(device)) if cuda_graph else None)
+
+
+def lr_as_tensors(optimizer, device):
+    """Each group's lr as a device tensor, which sce.optim.set_lr fills in place (a CUDA graph reads it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), device=device)
+
+
+def check_compile(device):
+    """A one-line error, before any work, where torch.compile cannot run."""
+    fix = "drop --compile"
+    if not torch._dynamo.is_dynamo_supported():
+        raise UserError(f"--compile: torch.compile does not support this Python / platform: {fix}")
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise UserError(f"--compile on GPU needs Triton, which is not installed: pip install triton, or {fix}")
+    if device.type == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
+        raise UserError(f"--compile on CPU needs a C++ compiler ({os.environ.get('CXX', 'g++')} not found): {fix}")
+
+
+def compile_model(model, compiles):
+    """torch.compile the encoders and heads in place, each compile timed in `compiles` (a compiling.Log); the
+    queue, the all_gather and the loss stay eager. nn.Module.compile keeps the state-dict keys, so compiled and
+    eager checkpoints mix. A module without parameters (the default Identity predictor) stays eager: its empty
+    graph on the shared compiled wrapper left the heads running uncompiled from the second call, and split BN
+    recompiling."""
+    for name in ("encoder", "projector", "predictor", "momentum_encoder", "momentum_projector"):
+        module = getattr(model, name)
+        if any(True for _ in module.parameters()):
+            module.compile()
+            module._compiled_call_impl = compiles.timed(name, module._compiled_call_impl)
+
+
+def resolve_compile(flag, device):
+    """--compile (True), --no-compile (False) or auto (None) -> whether to compile: auto is on where
+    it pays, CUDA with Triton, and off on CPU (Inductor's C++ build of a ResNet takes minutes there)."""
+    if flag:
+        check_compile(device)  # asked for where it cannot run: one line
+        return True
+    return (flag is None and device.type == "cuda" and torch._dynamo.is_dynamo_supported()
+            and importlib.util.find_spec("triton") is not None)
+
+
+def error_line(e):
+    """The cause of an error in one line; of a failed compile, the compiler's (BackendCompilerFailed wraps it)."""
+    e = getattr(e, "inner_exception", e)
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def revert_to_eager(model):
+    """Undo nn.Module.compile on `model` and its submodules."""
+    for module in model.modules():
+        module._compiled_call_impl = None
+
+
+def compile_trunk(module, compiles=None):
+    """torch.compile a frozen trunk in place (state-dict keys kept), its compiles timed in `compiles` (a
+    compiling.Log). In eval mode it changes no state, so a compiled call that fails is simply redone eagerly:
+    one warning, and the module stays eager."""
     module.compile()
-    compiled = compiling.timed("trunk", module._compiled_call_impl)
+    compiled = (compiles or compiling.Log()).timed("trunk", module._compiled_call_impl)
 
     def call(*args, **kwargs):
         try:

@@ -12,49 +12,33 @@ import hashlib
 import json
 import os
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Sampler, Subset
 
 from sce import UserError
 from sce import distributed as du
 from sce.checkpoint import save_atomic
-from sce.device_decode import DecodedEval, decoded_loader
-from sce.loader import EvalSamples, collate_views
-from sce.preemption import ignore_stop_signals
-from sce.preload import Images, PreloadedBatches
+from sce.engine import error_line, revert_to_eager
 from sce.progress import Progress
 
 
-class Shard(Sampler):
-    """Indices rank, rank + ranks, ...: every index on exactly one rank, no padding."""
-
-    def __init__(self, length):
-        self.indices = range(du.rank(), length, du.world_size())
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self):
-        return len(self.indices)
-
-
 @torch.no_grad()
-def extract_features(trunk, loader, device, channels_last=False, normalize=True, name=None):
-    """Trunk features (l2-normalised unless normalize=False) and labels of a whole loader, in its
-    order, with the trunk in eval mode; kept on `device`. `name`: print progress on rank 0."""
+def extract_features(trunk, batches, channels_last=False, normalize=True, name=None):
+    """Trunk features (l2-normalised unless normalize=False) and labels of a split's batches (of
+    sce.data.EvalSplit.batches: images and targets on the device), in their order, with the trunk in eval
+    mode. `name`: print progress on rank 0."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
-    progress, shown = Progress(len(loader.sampler)), time.time()
-    for images, targets in loader:
-        images = images.to(device, non_blocking=True)
+    progress, shown = Progress(len(batches.sampler)), time.time()
+    for images, targets in batches:
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
         out = trunk(images).float()
         feats.append(F.normalize(out, dim=1) if normalize else out)
-        labels.append(torch.as_tensor(targets).to(device, non_blocking=True))
+        labels.append(targets)
         progress.update(len(images))
         if name and du.is_main() and (progress.done == progress.total or time.time() - shown > 30):
             shard = f" (this rank's share of {du.world_size()})" if du.world_size() > 1 else ""
@@ -64,36 +48,30 @@ def extract_features(trunk, loader, device, channels_last=False, normalize=True,
     return torch.cat(feats), torch.cat(labels)
 
 
-def split_features(trunk, dataset, split, output_dir, device, /, *, checkpoint, batch_size=256, workers=0,
-                   amp_dtype=None, **key):
-    """Global-average-pooled features (float32 numpy, not normalised) of every image of `dataset`,
-    in order, with the trunk in eval mode.
+def split_features(trunk, split, name, output_dir, /, *, checkpoint, batch_size=256, amp_dtype=None, **key):
+    """Global-average-pooled features (float32 numpy, not normalised) of every image of `split` (an
+    sce.data.EvalSplit), in order, with the trunk in eval mode, on one process.
 
-    Cached in OUTPUT_DIR/features_<split>_<hash>.pt. The key: the checkpoint file (path, size,
-    mtime), the split, the dataset's size and transform, where its JPEGs are decoded, the autocast dtype, the
-    caller's **key (encoder, arch, data path, ...). It is stored in the file and compared on reading;
-    a file that does not load is recomputed."""
+    Cached in OUTPUT_DIR/features_<name>_<hash>.pt. The key: the checkpoint file (path, size, mtime), the split's
+    name, size and route and geometry, the autocast dtype, the caller's **key (encoder, arch, data path, ...). It
+    is stored in the file and compared on reading; a file that does not load is recomputed."""
     st = os.stat(checkpoint)
     key = dict(key, checkpoint=os.path.abspath(checkpoint), mtime_ns=st.st_mtime_ns, size=st.st_size,
-               split=split, n=len(dataset), transform=repr(getattr(dataset, "transform", None)), amp=str(amp_dtype),
-               decoded_on_device=isinstance(dataset, DecodedEval))
+               split=name, n=len(split), read=split.describe(), amp=str(amp_dtype))
     key = json.loads(json.dumps(key, sort_keys=True, default=str))  # as it reads back from the file
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(output_dir, f"features_{split}_{digest}.pt")
+    path = os.path.join(output_dir, f"features_{name}_{digest}.pt")
     if os.path.isfile(path):
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
             if blob.get("key") == key:
-                print(f"{split}: features read from {path}", flush=True)
+                print(f"{name}: features read from {path}", flush=True)
                 return blob["features"].numpy()
         except Exception as e:  # a truncated or foreign file: compute it again
             print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
-    loader = DataLoader(EvalSamples(dataset), batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=device.type == "cuda", collate_fn=collate_views,  # every image read
-                        worker_init_fn=ignore_stop_signals)
+    device = next(trunk.parameters()).device
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        feats, _ = extract_features(trunk, decoded_loader(loader, device), device, normalize=False,
-                                    name=f"{split} features")
+        feats, _ = extract_features(trunk, split.batches(batch_size), normalize=False, name=f"{name} features")
     feats = feats.cpu()
     os.makedirs(output_dir, exist_ok=True)
     save_atomic({"key": key, "features": feats}, path)
@@ -142,27 +120,48 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
     return [100.0 * hit[:, :k].any(dim=1).float().mean().item() for k in ks]
 
 
-def knn_accuracy(trunk, train_set, val_set, num_classes, device, k=200, t=0.07, batch_size=256, workers=4,
-                 max_train=None, seed=0):
-    """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train
-    images if given), measured on val_set; called by every rank, the same result on each. The sets:
-    datasets of normalised images, sce.device_decode.DecodedEval (JPEGs decoded on the device), or
-    sce.preload.Images on the device."""
+def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0):
+    """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
+    measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each."""
     if max_train and max_train < len(train_set):
-        keep = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))[:max_train]
-        train_set = train_set.subset(keep) if isinstance(train_set, Images) else Subset(train_set, keep.tolist())
+        train_set = train_set.subset(torch.randperm(len(train_set),
+                                                    generator=torch.Generator().manual_seed(seed))[:max_train])
     if min(len(train_set), len(val_set)) < du.world_size():  # every rank raises: none waits for an empty shard
         raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
-
-    def features(dataset, name):
-        if isinstance(dataset, Images):  # preloaded on the device (sce.preload)
-            loader = PreloadedBatches(dataset, Shard(len(dataset)), batch_size)
-        else:  # a private generator: from the global RNG, the training's draws would move (exact resume)
-            loader = DataLoader(EvalSamples(dataset), batch_size=batch_size, sampler=Shard(len(dataset)),
-                                num_workers=workers, pin_memory=device.type == "cuda", generator=torch.Generator(),
-                                collate_fn=collate_views, worker_init_fn=ignore_stop_signals)
-        return extract_features(trunk, decoded_loader(loader, device), device, name=name)
-    bank, bank_labels = features(train_set, "train features")
-    queries, labels = (gather_rows(x) for x in features(val_set, "val features"))
+    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features")
+    queries, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size),
+                                                                name="val features"))
     return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
+
+
+class Monitor:
+    """The kNN monitor of main_pretrain.py: monitor(model) -> the kNN (top-1, top-5) of its online encoder on
+    `sets` (train EvalSplit, val EvalSplit, number of classes), every rank its share. BN running statistics are
+    rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's. compiled: the encoder is
+    compiled, and compiles again in eval mode: a failure there costs the monitor nothing (it runs eagerly)."""
+
+    def __init__(self, sets, k, t, max_train=None, seed=0, compiled=False, compiles=None):
+        self.sets, self.k, self.t, self.max_train, self.seed = sets, k, t, max_train, seed
+        self.compiled, self.compiles = compiled, compiles
+
+    def accuracy(self, model):
+        before = len(self.compiles.seconds) if self.compiles else 0
+        result = knn_accuracy(model.encoder, *self.sets, self.k, self.t, max_train=self.max_train, seed=self.seed)
+        if self.compiles and len(self.compiles.seconds) > before and du.is_main():  # eval mode, the last batch
+            print(f"=> the kNN monitor compiled the encoder: {self.compiles.summary(before)}", flush=True)
+        return result
+
+    def __call__(self, model):
+        for buffer in model.encoder.buffers():
+            du.broadcast(buffer)
+        if not self.compiled:
+            return self.accuracy(model)
+        try:
+            return self.accuracy(model)
+        except Exception as e:  # noqa: BLE001: whatever stopped the compiled encoder, the eager one decides
+            revert_to_eager(model.encoder)
+            self.compiled = False
+            result = self.accuracy(model)
+            warnings.warn(f"--compile: the kNN monitor's compile failed ({error_line(e)}): the encoder runs eagerly")
+            return result

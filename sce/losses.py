@@ -6,6 +6,8 @@ batch sums of the paper's equations run over [k_i, queue] here, as in the author
 MoCo (other in-batch keys are not candidates).
 Equation numbers refer to the SCE paper (WACV 2023).
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -81,3 +83,25 @@ def loss_terms(q, k, queue, tau=0.1, tau_m=0.07):
     return {"infonce": (log_all - pos[:, 0] / tau).mean(),  # eq. 1
             "ressl": -(s2 * (neg / tau - log_neg[:, None])).sum(dim=1).mean(),  # eq. 4
             "ceil": (log_all - log_neg).mean()}
+
+
+# method -> (loss, tau, tau_m, online view, target view); a flag given on the command line wins
+METHODS = {
+    "sce": ("sce", 0.1, 0.07, "strong", "weak"),
+    "moco": ("infonce", 0.2, None, "strong", "strong"),  # MoCo v2: InfoNCE, same strong views
+    "ressl": ("ressl", 0.1, 0.04, "strong", "weak"),  # ReSSL's best ImageNet temperatures
+}
+
+
+def criterion(args, lambda_=None):
+    """The loss main_pretrain.py's settings ask for (args.loss, the temperatures, lambda or eq. 10's
+    coefficients); lambda_ overrides --lambda (a device tensor, when it follows a schedule)."""
+    if args.loss == "combined":
+        lam, mu, eta = args.loss_coeffs
+        return functools.partial(combined_loss, lambda_=lam, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
+    if args.loss == "infonce":
+        return functools.partial(infonce_loss, tau=args.tau)
+    if args.loss == "ressl":
+        return functools.partial(ressl_loss, tau=args.tau, tau_m=args.tau_m)
+    return functools.partial(sce_loss, lambda_=args.lambda_ if lambda_ is None else lambda_, tau=args.tau,
+                             tau_m=args.tau_m, mask_positive=args.mask_positive)

@@ -9,6 +9,10 @@ import warnings
 
 import numpy as np
 
+VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+               "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
+               "train", "tvmonitor"]
+
 
 def precision_recall(scores, labels):
     """Precision and recall after each of the ranked (descending score) non-ignored entries."""

@@ -1,5 +1,5 @@
-"""Where a pretraining run lives and how it continues: its output dir, the checkpoint it resumes
-from (the same on every rank), what a checkpoint holds, and loading it back exactly."""
+"""How a pretraining run continues: the checkpoint it resumes from (the same on every rank), what a checkpoint
+holds, and loading it back exactly."""
 import os
 import random
 
@@ -7,7 +7,6 @@ import torch
 
 from sce import UserError, checkpoint
 from sce import distributed as du
-from sce.datasets import fingerprint
 from sce.optim import excludes_bias_norm, load_optimizer_state
 
 # settings a resumed run must share with its checkpoint: the model's shape, the objective's settings, and
@@ -40,7 +39,8 @@ def check_ranks_agree(args):
     rank would otherwise train its own way or resume from another step."""
     path = find_resume(args)
     stat = os.stat(path) if path and os.path.exists(path) else None
-    seen = f"{path} ({stat.st_size} bytes, mtime {int(stat.st_mtime)})" if stat else f"{path} (missing)" if path else "none"
+    seen = (f"{path} ({stat.st_size} bytes, mtime {int(stat.st_mtime)})" if stat else
+            f"{path} (missing)" if path else "none")
     mine = {"--batch-size": args.batch_size, "the checkpoint to resume": seen}
     everyone = du.all_gather_object(mine)
     for key in mine:
@@ -52,7 +52,8 @@ def check_ranks_agree(args):
 
 def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, data=None, epoch_stats=None):
     """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position
-    (and data_identity's size and fingerprint of the dataset, which a mid-epoch position depends on);
+    (and `data`, the dataset's num_images and data_id (sce.data.fingerprint), which a mid-epoch position
+    depends on);
     epoch_stats: the log.txt line of the epoch just ended, written again by a rerun that lacks it."""
     return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
             **(data or {}), "epoch_stats": epoch_stats, "args": vars(args), "model": model.state_dict(),
@@ -77,11 +78,6 @@ def as_typed(value):
     return value
 
 
-def data_identity(dataset):
-    """What a mid-epoch position depends on: the dataset's size and a fingerprint of what it holds."""
-    return {"num_images": len(dataset), "data_id": fingerprint(dataset)}
-
-
 def check_mid_epoch(path, ckpt, args, data):
     """Steps done in the epoch are skipped from the order of (seed, epoch, dataset, batch): the same order
     is needed, else images repeat or are skipped. Older checkpoints lack the fingerprint (or the size): what
@@ -104,7 +100,8 @@ def check_mid_epoch(path, ckpt, args, data):
 
 def resume(args, model, optimizer, scaler, rank, data=None):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
-    the checkpoint's epoch_stats (None without a checkpoint). data: data_identity of the run's dataset."""
+    the checkpoint's epoch_stats (None without a checkpoint). An --epochs below the checkpoint's is refused.
+    data: the dataset's num_images and data_id."""
     path = find_resume(args)
     if not path:
         return 0, 0, None
@@ -126,6 +123,10 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
+    begun = epoch + (step > 0)
+    if begun > args.epochs:
+        raise UserError(f"the checkpoint is at epoch {begun}, --epochs {args.epochs} is below it: pass --epochs "
+                        f"{begun} or more to continue it, or another --output-dir to start afresh")
     if rank == 0:
         print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
     saved_gpus, gpus = len(ckpt["rng"]["cuda"]), torch.cuda.device_count() if torch.cuda.is_available() else 0

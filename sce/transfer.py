@@ -1,26 +1,21 @@
-"""Frozen-feature transfer: VOC2007 reader, the many-shot logistic regression (ssl-transfer
-protocol) and the low-shot LinearSVC helpers (PCL protocol). Features come from sce.knn.split_features."""
-import hashlib
-import os
+"""Frozen-feature transfer: the many-shot logistic regression (ssl-transfer protocol) and the low-shot LinearSVC
+helpers (PCL protocol). Features come from sce.knn.split_features."""
 import warnings
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from sce import UserError
-from sce.datasets import load_rgb, read_encoded
-from sce.metrics import average_precision, mean_average_precision, mean_per_class_accuracy, top1_accuracy
+from sce.metrics import (VOC_CLASSES, average_precision, mean_average_precision, mean_per_class_accuracy,
+                         top1_accuracy)
 
-VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
-               "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
-               "train", "tvmonitor"]
 LOGREG_WDS = np.logspace(-6, 5, 45)  # ssl-transfer: C = 1 / wd
 METRICS = ["top1", "mean-per-class", "map11"]
 SVM_MAX_ITER = 2000  # PCL / FAIR; no flag sets it
 
 
-def _class_name(labels, c):
-    return VOC_CLASSES[c] if labels.shape[1] == len(VOC_CLASSES) else f"#{c}"
+def _class_name(num_classes, c):
+    """VOC07's name of class c of num_classes, else #c."""
+    return VOC_CLASSES[c] if num_classes == len(VOC_CLASSES) else f"#{c}"
 
 
 class FitCount:
@@ -43,64 +38,6 @@ class FitCount:
 def _stalled(model):
     """Whether a scikit-learn fit used all of its max_iter (when scikit-learn warns it did not converge)."""
     return bool(np.max(model.n_iter_) >= model.max_iter)
-
-
-# ---------------------------------------------------------------- VOC2007
-
-def read_voc07(root, split):
-    """Image paths and a (N, 20) int8 label matrix (1 / -1 / 0 = difficult) of a VOC2007 split
-    (trainval, test, train, val), from ImageSets/Main/<class>_<split>.txt."""
-    main = os.path.join(root, "ImageSets", "Main")
-    names, columns = None, []
-    for cls in VOC_CLASSES:
-        path = os.path.join(main, f"{cls}_{split}.txt")
-        if not os.path.isfile(path):
-            raise UserError(f"{path} not found: a VOC2007 tree needs JPEGImages/ and "
-                            f"ImageSets/Main/<class>_{split}.txt for each of the 20 classes")
-        rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                parts = line.split()
-                if not parts:
-                    continue
-                if len(parts) != 2 or parts[1] not in ("1", "-1", "0"):
-                    raise UserError(f"{path} line {n}: expected '<image id> <1|-1|0>', got {line.strip()!r}")
-                rows.append(parts)
-        ids = [r[0] for r in rows]
-        if names is None:
-            names = ids
-        elif ids != names:
-            raise UserError(f"{path} lists other images than {VOC_CLASSES[0]}_{split}.txt: "
-                            "every class file of a split must list the same images in the same order")
-        columns.append([int(r[1]) for r in rows])
-    if not names:
-        raise UserError(f"{main}/*_{split}.txt list no image")
-    paths = [os.path.join(root, "JPEGImages", f"{n}.jpg") for n in names]
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise UserError(f"{missing[0]} not found ({len(missing)} images of the {split} split missing): "
-                        "expected JPEGImages/<image id>.jpg")
-    return paths, np.array(columns, dtype=np.int8).T
-
-
-class ImageList(Dataset):
-    """Images from a list of paths with their targets (any array indexed by image). encoded: JPEGs come
-    encoded for the device's decoder (sce.datasets.read_encoded; sce.device_decode.DecodedEval transforms)."""
-
-    def __init__(self, paths, targets, transform=None, encoded=False):
-        self.paths, self.targets, self.transform, self.encoded = paths, targets, transform, encoded
-
-    def __len__(self):
-        return len(self.paths)
-
-    def __getitem__(self, i):
-        if self.encoded:
-            return read_encoded(self.paths[i]), i
-        img = load_rgb(self.paths[i])
-        return (self.transform(img) if self.transform else img), i
-
-    def path(self, i):
-        return self.paths[i]
 
 
 # ---------------------------------------------------------------- features
@@ -193,8 +130,8 @@ def lowshot_draw(labels, k, seed):
     for c in range(labels.shape[1]):
         positives = np.flatnonzero(labels[:, c] == 1)
         if len(positives) < k:
-            raise UserError(f"class {_class_name(labels, c)} has {len(positives)} positive images, fewer than the "
-                            f"{k} shots asked for: lower --shots")
+            raise UserError(f"class {_class_name(labels.shape[1], c)} has {len(positives)} positive images, fewer "
+                            f"than the {k} shots asked for: lower --shots")
         draws.append(np.sort(rng.choice(positives, k, replace=False)))
     return np.stack(draws)
 
@@ -230,8 +167,9 @@ def _binary(labels, c):
     keep = np.flatnonzero(labels[:, c] != 0)
     y = np.where(labels[keep, c] > 0, 1, -1)
     if (y > 0).all() or (y < 0).all():
-        raise UserError(f"class {_class_name(labels, c)} has only {'positive' if (y > 0).all() else 'negative'} "
-                        "training images in this draw: use more shots or more images")
+        only = "positive" if (y > 0).all() else "negative"
+        raise UserError(f"class {_class_name(labels.shape[1], c)} has only {only} training images in this draw: use "
+                        "more shots or more images")
     return keep, y
 
 
@@ -254,38 +192,32 @@ def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1, difficult="negati
     return mean_average_precision(np.stack([scores for scores, _ in cols], axis=1), test_labels)
 
 
-_SPLITS = {}  # a draw's splits, the same for each cost of the grid and for cv_drops: made once
+def cv_splits(labels, groups, folds=3, seed=0, difficult="negative"):
+    """The cross-validation of a training draw, made once for every cost of the grid and for cv_drops: per
+    class, its rows, their +1 / -1 targets, the number of folds (below `folds` when the class has fewer
+    positives or negatives) and the (train, held-out) splits that can score an AP (those with one class on
+    the training side or no positive held out are skipped); `difficult` (see voc_targets) applies to the
+    training and the held-out folds alike. groups: the draw's image of each row (a duplicate never sits on
+    both sides of a split)."""
+    labels = voc_targets(labels, difficult)
+    return [_class_splits(labels, c, folds, seed, groups) for c in range(labels.shape[1])], folds
 
 
-def _cv_splits(labels, c, folds, seed, groups):
-    """Rows of class c, their +1 / -1 targets, the number of folds (below `folds` when the class has
-    fewer positives or negatives) and the (train, held-out) splits that can score an AP: those
-    with one class on the training side or no positive held out are skipped."""
-    key = (hashlib.sha1(labels.tobytes() + groups.tobytes()).hexdigest(), labels.shape, c, folds, seed)
-    if key not in _SPLITS:
-        if len(_SPLITS) > 1024:
-            _SPLITS.clear()
-        _SPLITS[key] = _make_cv_splits(labels, c, folds, seed, groups)
-    return _SPLITS[key]
-
-
-def _make_cv_splits(labels, c, folds, seed, groups):
+def _class_splits(labels, c, folds, seed, groups):
     from sklearn.model_selection import StratifiedGroupKFold
     keep, y = _binary(labels, c)
     n_splits = min(folds, int((y > 0).sum()), int((y < 0).sum()))
     if n_splits < 2:
         raise UserError("--cost-selection cv needs at least 2 positive and 2 negative training "
                         "images per class: use more shots or --cost-selection test")
-    # grouped by image so that a duplicate never sits on both sides of a split
     cv = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
     splits = [(tr, va) for tr, va in cv.split(keep, y, groups[keep])
               if len(np.unique(y[tr])) == 2 and (y[va] > 0).any()]
     return keep, y, n_splits, splits
 
 
-def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
-    """Mean held-out AP of class c over its scored splits (nan when none) and a stalled flag per fit."""
-    keep, y, _, splits = _cv_splits(labels, c, folds, seed, groups)
+def _svm_cv_ap(x, keep, y, splits, cost):
+    """Mean held-out AP of a class over its scored splits (nan when none) and a stalled flag per fit."""
     x = x[keep]
     aps, stalled = [], []
     for tr, va in splits:
@@ -295,31 +227,26 @@ def _svm_cv_ap(x, labels, c, cost, folds, seed, groups):
     return (float(np.mean(aps)) if aps else float("nan")), stalled
 
 
-def svm_cv_map(x, labels, cost, groups, folds=3, seed=0, jobs=1, difficult="negative", count=None):
-    """Cross-validated mAP (percent) of the per-class LinearSVCs on the training draw alone;
-    `difficult` (see voc_targets) applies to the training and the held-out folds alike. Classes
-    with no scored split are left out of the mean (cv_drops says which). `count` (a FitCount)
-    gets a flag per SVM."""
+def svm_cv_map(x, splits, cost, jobs=1, count=None):
+    """Cross-validated mAP (percent) of the per-class LinearSVCs on the training draw alone, over its
+    cv_splits. Classes with no scored split are left out of the mean (cv_drops says which). `count` (a
+    FitCount) gets a flag per SVM."""
     from joblib import Parallel, delayed
-    labels = voc_targets(labels, difficult)
-    per_class = Parallel(n_jobs=jobs)(delayed(_svm_cv_ap)(x, labels, c, cost, folds, seed, groups)
-                                      for c in range(labels.shape[1]))
+    per_class = Parallel(n_jobs=jobs)(delayed(_svm_cv_ap)(x, keep, y, scored, cost)
+                                      for keep, y, _, scored in splits[0])
     if count is not None:
         count.stalled += [bad for _, stalled in per_class for bad in stalled]
     return 100.0 * float(np.nanmean([ap for ap, _ in per_class]))
 
 
-def cv_drops(labels, groups, folds=3, seed=0, difficult="negative"):
-    """One line on what the cross-validation of svm_cv_map (same arguments) leaves out of the cost
-    choice: classes cut to fewer folds, skipped splits, classes with no scored split; '' if nothing.
-    The splits depend on the labels alone, so the line holds for every cost."""
-    labels = voc_targets(labels, difficult)
-    fewer, skipped, unscored = 0, 0, []
-    for c in range(labels.shape[1]):
-        _, _, n_splits, splits = _cv_splits(labels, c, folds, seed, groups)
-        fewer += n_splits < folds
-        skipped += n_splits - len(splits)
-        unscored += [] if splits else [_class_name(labels, c)]
+def cv_drops(splits):
+    """One line on what the cross-validation of cv_splits leaves out of the cost choice: classes cut to fewer
+    folds, skipped splits, classes with no scored split; '' if nothing. The splits depend on the labels
+    alone, so the line holds for every cost."""
+    per_class, folds = splits
+    fewer = sum(n_splits < folds for _, _, n_splits, _ in per_class)
+    skipped = sum(n_splits - len(scored) for _, _, n_splits, scored in per_class)
+    unscored = [_class_name(len(per_class), c) for c, (_, _, _, scored) in enumerate(per_class) if not scored]
     parts = ([f"{fewer} classes cut below {folds} folds (too few positives or negatives)"] if fewer else []) \
         + ([f"{skipped} folds skipped (one class to train on or no positive held out)"] if skipped else []) \
         + ([f"class {', '.join(unscored)} out of the mean (no fold scored)"] if unscored else [])

@@ -1,5 +1,6 @@
 """Shared test helpers: small datasets written in the real formats, script runners, and the check that a
 pretraining run learned."""
+import fcntl
 import json
 import math
 import multiprocessing
@@ -16,6 +17,18 @@ from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # a core a worker (pytest.ini: -n auto); two threads on a busy core run ~10x slower
+
+
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: a worker a core, at most 4 (a multi-rank test starts three processes)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+# main_pretrain.py's smallest useful setting: a ResNet-18 with a 32-wide head on 16 px crops, batches of 8
+TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
+        "--workers", "0", "--proj-hidden-dims", "32", "--proj-dim", "16", "--print-freq", "1"]
 
 
 def class_image(label, rng, size=32):
@@ -120,10 +133,10 @@ def assert_trained(output_dir):
 
 
 def loss_hook(hook):
-    """A main_pretrain.build_criterion whose loss goes through hook(call, loss), call counting the criterion's
+    """A sce.losses.criterion whose loss goes through hook(call, loss), call counting the criterion's
     calls from 1 (one a step in an asymmetric run): a fault injected at a known step."""
     import main_pretrain
-    real, calls = main_pretrain.build_criterion, [0]
+    real, calls = main_pretrain.losses.criterion, [0]
 
     def build(args, *rest):
         criterion = real(args, *rest)
@@ -153,7 +166,7 @@ def assert_mid_epoch_resume_is_exact(args, tmp_path, monkeypatch, signal_step=3)
     import main_pretrain
     main_pretrain.main(args + ["--output-dir", str(tmp_path / "ref")])
     with monkeypatch.context() as m:
-        m.setattr(main_pretrain, "build_criterion", sends_signal_at(signal.SIGUSR1, signal_step))
+        m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, signal_step))
         with pytest.raises(SystemExit):
             main_pretrain.main(args + ["--output-dir", str(tmp_path / "run")])
     stopped = load(tmp_path / "run" / "checkpoint_last.pth")
@@ -221,13 +234,31 @@ def imagefolder(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def small(tmp_path_factory):
+    """16 images of 2 classes, 20 px, no splits: 2 steps of TINY's batch an epoch."""
+    return write_imagefolder(tmp_path_factory.mktemp("small") / "small", num_classes=2, per_class=8, size=20,
+                             splits=("",))
+
+
+def pretrain(data, out, *extra):
+    """main_pretrain.main in this process: TINY on `data` into `out`, 1 epoch unless `extra` says otherwise."""
+    import main_pretrain
+    main_pretrain.main(["--data", data, "--output-dir", str(out), "--epochs", "1"] + TINY + [str(e) for e in extra])
+
+
+@pytest.fixture(scope="session")
 def pretrained(tmp_path_factory):
-    """OUT/checkpoint_last.pth of one tiny main_pretrain.py run, shared by the evaluation tests."""
-    out = tmp_path_factory.getbasetemp() / "pretrain_out"
-    ckpt = out / "checkpoint_last.pth"
-    if not ckpt.exists():
-        data = write_imagefolder(tmp_path_factory.getbasetemp() / "pretrain_data", 3, 8, 32)
-        run_script(["main_pretrain.py", "--data", data, "--arch", "resnet18", "--small-input", "--crop-size", "32",
-                    "--epochs", "1", "--batch-size", "16", "--queue-size", "64", "--workers", "0",
-                    "--output-dir", str(out)])
+    """OUT/checkpoint_last.pth of one tiny main_pretrain.py run, shared by the evaluation tests (made once for all
+    pytest-xdist workers: the first to take the lock runs it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the folder above each worker's own
+    out, ckpt = shared / "pretrain_out", shared / "pretrain_out" / "checkpoint_last.pth"
+    with open(shared / "pretrain.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ckpt.exists():
+            data = write_imagefolder(shared / "pretrain_data", 3, 8, 32)
+            run_script(["main_pretrain.py", "--data", data, "--arch", "resnet18", "--small-input", "--crop-size",
+                        "32", "--epochs", "1", "--batch-size", "16", "--queue-size", "64", "--workers", "0",
+                        "--output-dir", str(out)])
     return str(ckpt)

@@ -1,4 +1,4 @@
-"""Train a few steps as main_pretrain.py does (sampler, loader, views, DDP, shuffle-BN, the queue,
+"""Train a few steps as main_pretrain.py does (sampler, batches of views, DDP, shuffle-BN, the queue,
 and sce.engine.train_step with its non-finite guard, an lr and EMA schedule, BN in train mode) and save
 the result.
 
@@ -15,30 +15,26 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
-from sce import distributed as du, losses  # noqa: E402
-from sce.augment import MultiView, View  # noqa: E402
-from sce.builder import SCE, momentum_at  # noqa: E402
-from sce.datasets import build_dataset  # noqa: E402
-from sce.device_augment import DeviceViews  # noqa: E402
+from sce import data as sce_data, distributed as du, losses  # noqa: E402
+from sce.builder import MomentumModel, momentum_at  # noqa: E402
 from sce.engine import Training, train_step  # noqa: E402
-from sce.loader import ResumableSampler, pretrain_loader  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 
 data, out = sys.argv[1], sys.argv[2]
 rank, world, _, device = du.init()
 torch.manual_seed(0)
-global_batch, epochs = 8, 2
+global_batch, epochs = 8, 1
 base_lr = 0.5 * global_batch / 256  # as main_pretrain.py scales --lr
-dataset = build_dataset("imagefolder", data, "pretrain")
-sampler = ResumableSampler(len(dataset), global_batch, rank, world, seed=0)
-views = MultiView([View("weak", 16), View("strong", 16)])
-loader = pretrain_loader(dataset, views, sampler, global_batch // world, 0, device, seed=0)
+dataset = sce_data.build_dataset("imagefolder", data, "pretrain", read="tensor")
+sampler = sce_data.ResumableSampler(len(dataset), global_batch, rank, world, seed=0)
+specs = [sce_data.ViewSpec("weak", 16), sce_data.ViewSpec("strong", 16)]
+batches = sce_data.PretrainBatches(dataset, specs, sampler, 0, device, "gpu", dtype=torch.float64)
 bn_splits = 2 if world == 1 else 1  # as main_pretrain.py's check_world: several ranks shuffle for real
 # a projector without BN: a BN over a chunk's 4 feature vectors has so small a variance that float
 # rounding grows into gradients 10% apart within 3 steps, between any two runs; the trunk's BN remain. In
 # float64: the two runs sum in different orders, and fp32's rounding (1e-7) grows to ~1e-4 by the 4th step
 torch.set_default_dtype(torch.float64)
-model = SCE(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [], 16, "none",
+model = MomentumModel(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [], 16, "none",
             queue_size=24, shuffle_bn=True, bn_splits=bn_splits)
 ddp = du.wrap_ddp(model, device) if world > 1 else model
 t = Training(model, ddp, build_optimizer("sgd", model, base_lr, 1e-4))
@@ -46,7 +42,7 @@ ddp.train()
 total, step, step_losses = epochs * sampler.steps, 0, []
 for epoch in range(epochs):
     sampler.set_epoch(epoch)
-    for x, _, _ in DeviceViews(loader, device, torch.float64):
+    for x in batches:
         set_lr(t.optimizer, cosine_lr(step, total, base_lr, warmup_steps=1))
         loss, finite, _ = train_step(t, x, momentum_at(step, total, 0.9))
         assert bool(finite)

@@ -1,7 +1,7 @@
-"""SCE(sync_bn=True) on 2 gloo ranks (CPU): what can be checked without a GPU.
+"""MomentumModel(sync_bn=True) on 2 gloo ranks (CPU): what can be checked without a GPU.
 
 torch's SyncBatchNorm synchronises train-mode statistics only for GPU (and XPU / HPU / privateuse1)
-tensors: on CPU tensors its train-mode forward raises, so main_pretrain.py's check_world keeps
+tensors: on CPU tensors its train-mode forward raises, so main_pretrain.py's check_args keeps
 refusing --sync-bn on several CPU ranks; the last check here fails the day torch lifts that.
 Usage: torchrun --nproc_per_node=2 tests/sync_bn_check.py
 """
@@ -13,7 +13,7 @@ import torch.nn as nn
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from sce import distributed as du, losses  # noqa: E402
-from sce.builder import SCE  # noqa: E402
+from sce.builder import MomentumModel  # noqa: E402
 
 rank, world, _, device = du.init()
 assert world == 2, "run under torchrun --nproc_per_node=2"
@@ -21,7 +21,7 @@ assert world == 2, "run under torchrun --nproc_per_node=2"
 
 def build(sync_bn):
     torch.manual_seed(0)
-    return SCE(functools.partial(losses.sce_loss), "resnet18", True, [32], 16, "affine", queue_size=16,
+    return MomentumModel(functools.partial(losses.sce_loss), "resnet18", True, [32], 16, "affine", queue_size=16,
                sync_bn=sync_bn)
 
 

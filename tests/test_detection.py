@@ -1,5 +1,6 @@
 """Detection transfer (detection/): detectron2 and torchvision conversion of a main_pretrain.py
 checkpoint, the detectron2 configs, and torchvision Mask R-CNN fine-tuning. No detectron2 needed."""
+import argparse
 import ast
 import contextlib
 import importlib
@@ -21,7 +22,7 @@ from PIL import Image
 
 from conftest import REPO, run_script, write_imagefolder
 from sce import UserError
-from sce.builder import SCE, build_trunk
+from sce.builder import MomentumModel, build_trunk
 
 DET = os.path.join(REPO, "detection")
 TO_D2 = "detection/convert-pretrain-to-detectron2.py"
@@ -182,7 +183,8 @@ def assert_exit_error(script, args, *needles):
 
 
 def test_refuses_bad_checkpoints(tmp_path):
-    sce = SCE(criterion=None, arch="resnet50", small_input=True, proj_hidden_dims=[64], proj_dim=32, queue_size=64)
+    sce = MomentumModel(criterion=None, arch="resnet50", small_input=True, proj_hidden_dims=[64], proj_dim=32,
+                        queue_size=64)
     torch.save({"kind": "pretrain", "epoch": 1, "step": 1, "args": {"arch": "resnet50", "small_input": True},
                 "model": sce.state_dict()}, tmp_path / "small.pth")
     torch.save({"kind": "pretrain", "epoch": 1, "step": 1, "args": {"arch": "resnet50"},
@@ -431,9 +433,13 @@ def check_training_run(proc, out, torchvision_weights):
     assert not torch.equal(w0, w1) and (w1 - w0).abs().max() < 1e-3 * w0.abs().max()
 
 
-def test_train_torchvision_two_iterations_and_evaluation(coco, torchvision_weights, tmp_path):
+def test_train_torchvision_two_iterations_and_evaluation(coco, torchvision_weights, tmp_path, monkeypatch, capsys,
+                                                        in_process):
+    # in this process (the torchrun test below runs the script as a command)
     out = str(tmp_path / "out")
-    proc = run_script(train_args(coco, torchvision_weights, out) + ["--batch-size", "2"])
+    monkeypatch.setattr(sys, "argv", train_args(coco, torchvision_weights, out) + ["--batch-size", "2"])
+    import_train_torchvision().main()
+    proc = argparse.Namespace(stdout=capsys.readouterr().out)
     assert "4 training images, 4 evaluation images, 2 classes, 2 iterations on 1 process(es)" in proc.stdout
     check_training_run(proc, out, torchvision_weights)
 

@@ -1,22 +1,34 @@
-"""The scripts' one-line errors for odd folders and files, each naming what to do: an ImageFolder without class
-folders (loose images, an official download given without --dataset, an empty train/), a malformed or incomplete
-Tiny-ImageNet val split, a dataset no image of which reads (in loader workers), a file that is no checkpoint;
-and what is not an error: a stray .DS_Store beside Tiny-ImageNet's classes."""
+"""The scripts' one-line errors (docs/health.md), each naming what to do, before anything is trained: flags out of
+range or not finite, impossible settings, odd folders (loose images, an official download given without
+--dataset, an empty train/, a malformed or incomplete Tiny-ImageNet val split), missing or foreign checkpoints,
+resumes that conflict, unwritable output folders; and during a run, an unreadable image (an evaluation reads
+every image; pretraining, past --max-bad-images) or a dataset no image of which reads. And what is not an error:
+a stray .DS_Store beside Tiny-ImageNet's classes."""
+import builtins
+import errno
+import io
 import os
+import re
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from conftest import write_cifar, write_imagefolder, write_tiny_imagenet
+from conftest import TINY, class_image, load, run_script, write_cifar, write_imagefolder, write_tiny_imagenet
 import main_lincls
+import main_lowshot
 import main_pretrain
 from sce import UserError, cli
+from sce.builder import build_trunk
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
-TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
-        "--proj-hidden-dims", "32", "--proj-dim", "16", "--epochs", "1", "--workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_imagefolder(tmp_path_factory.mktemp("errors") / "data", 3, 8, 20)
 
 
 def as_user_runs(main, argv):
@@ -75,7 +87,7 @@ def test_a_dataset_of_unreadable_images_read_by_workers(tmp_path):
         os.makedirs(data / f"class_{c}")
         for i in range(8):
             (data / f"class_{c}" / f"{i}.png").write_bytes(b"not a picture")
-    argv = ["--data", str(data), "--output-dir", str(tmp_path / "out")] + TINY[:-1] + ["2"]  # --workers 2
+    argv = ["--data", str(data), "--output-dir", str(tmp_path / "out"), "--epochs", "1"] + TINY + ["--workers", "2"]
     one_line(main_pretrain.main, argv, "no image of the dataset is readable (")
 
 
@@ -86,3 +98,294 @@ def test_a_file_that_is_no_checkpoint(tmp_path):
                                 "--output-dir", str(tmp_path / "o")],
              "notes.pth is not a PyTorch checkpoint (it begins 'hello, these are my note', not as a file of "
              "torch.save)")
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--tau", "nan"], "--tau must be a finite number"),
+    (["--tau-m", "nan"], "--tau-m must be a finite number"),
+    (["--lambda", "nan"], "--lambda must be a finite number"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    (["--min-scale", "nan"], "--min-scale must be a finite number"),
+    (["--warmup-epochs", "nan"], "--warmup-epochs must be a finite number"),
+    (["--knn-t", "nan"], "--knn-t must be a finite number"),
+    (["--ema-momentum", "nan"], "--ema-momentum must be a finite number"),
+    (["--loss-coeffs", "1", "nan", "1"], "--loss-coeffs must be a finite number"),
+    (["--local-crop-sizes", "8", "--local-crop-scales", "0.1", "nan"], "--local-crop-scales must be a finite"),
+    (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be >= 0"),
+    (["--bn-splits", "0"], "--bn-splits must be positive"),
+    (["--shuffle-bn", "--bn-splits", "-4"], "--bn-splits must be positive"),
+    (["--max-bad-images", "-2"], "--max-bad-images must be -1"),
+])
+def test_bad_numbers_are_one_line_at_start(extra, match):
+    with pytest.raises(UserError, match=match) as err:
+        main_pretrain.check_args(main_pretrain.parse_args(["--data", "somewhere", "--epochs", "1"] + TINY + extra))
+    assert "\n" not in str(err.value)
+
+
+def test_nan_flags_of_the_evaluation_scripts_are_refused_at_start(tmp_path):
+    import main_lincls
+    import main_lowshot
+    base = ["--data", str(tmp_path / "missing"), "--pretrained", str(tmp_path / "missing.pth"),
+            "--output-dir", str(tmp_path / "o")]
+    with pytest.raises(UserError, match="--lr must be a finite number"):
+        main_lincls.main(base + ["--lr", "nan"])
+    with pytest.raises(UserError, match="--costs must be a finite number"):
+        main_lowshot.main(base + ["--costs", "1", "nan"])
+    proc = run_script(["detection/train_torchvision.py", "--train-images", "i", "--train-ann", "a", "--val-images",
+                       "i", "--val-ann", "a", "--output-dir", str(tmp_path / "d"), "--lr", "nan"], check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == "error: --lr must be a finite number (got nan)"
+
+
+def one_line_error(args, match):
+    """The script as users run it: non-zero exit, one line on stderr, no traceback."""
+    proc = run_script(args, check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines and "error" in lines[-1] and match in lines[-1], proc.stderr[-2000:]
+
+
+def user_error(argv, match):
+    """Same checks in-process (no interpreter start): main() raises the UserError the script prints."""
+    import main_pretrain
+    with pytest.raises(UserError, match=match):
+        main_pretrain.main(argv)
+
+
+def test_bad_input_is_one_line(data, tmp_path, capsys):
+    """As users run it: exit 1 with one line on stderr, no traceback; a flag argparse refuses: its usage, exit 2."""
+    one_line_error(["main_pretrain.py", "--data", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "o")],
+                   "does not exist")
+    with pytest.raises(SystemExit) as stop:
+        main_pretrain.main(["--data", data, "--online-aug", "extreme"])
+    assert stop.value.code == 2 and "invalid choice: 'extreme'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--arch", "resnet7"], "unknown arch"),
+    (["--queue-size", "36"], "not a multiple"),
+    (["--lambda", "1.5"], "--lambda"),
+    (["--tau", "0"], "temperatures must be positive"),
+    (["--tau-m", "-0.1"], "temperatures must be positive"),
+    (["--batch-size", "100", "--queue-size", "100"], "fewer than one batch"),
+    (["--shuffle-bn", "--bn-splits", "3"], "--bn-splits 3 must divide the batch of 8"),
+    (["--shuffle-bn"], "--bn-splits 8 must divide the batch of 8 into chunks of at least 2"),
+    (["--lambda-end", "1.5"], "must lie in \\[0, 1\\]"),
+    (["--lambda-schedule", "cosine", "--method", "moco"], "need the SCE loss"),
+    (["--crop-size", "6"], "too small to blur"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--print-freq", "0"], "--print-freq must be positive"),
+    (["--workers", "-1"], "--workers must be >= 0"),
+    (["--save-freq", "0"], "--save-freq must be positive"),
+    (["--proj-hidden-dims", "32", "0"], "--proj-hidden-dims must be positive"),
+    (["--ema-momentum", "1.5"], "--ema-momentum must lie in \\[0, 1\\]"),
+    (["--min-scale", "1.5"], "need 0 < min <= max <= 1"),
+    (["--local-crop-sizes", "8", "--local-crop-scales", "0.5", "0.1"], "need 0 < min <= max <= 1"),
+    (["--knn-max-train", "0"], "--knn-max-train must be positive"),
+])
+def test_bad_flags(data, tmp_path, extra, match):
+    user_error(["--data", data, "--epochs", "1", "--output-dir", str(tmp_path / "o")] + TINY + extra, match)
+
+
+def test_settings_the_ranks_cannot_run(data):
+    args = main_pretrain.parse_args(["--data", data] + TINY + ["--batch-size", "9", "--queue-size", "36"])
+    with pytest.raises(UserError, match="--batch-size 9 is not divisible by the 2 ranks: use a multiple of 2"):
+        main_pretrain.check_args(args, world_size=2)
+    args = main_pretrain.parse_args(["--data", data, "--sync-bn"] + TINY)
+    with pytest.raises(UserError, match="--sync-bn needs GPUs"):
+        main_pretrain.check_args(args, world_size=2)
+
+
+def test_bad_files(data, tmp_path):
+    base = ["--epochs", "1"] + TINY
+    os.makedirs(tmp_path / "empty" / "class_a")
+    user_error(["--data", str(tmp_path / "empty"), "--output-dir", str(tmp_path / "o")] + base, "no images found")
+    user_error(["--data", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o")] + base, "does not exist")
+    os.makedirs(tmp_path / "knn" / "train" / "a")
+    user_error(["--data", data, "--knn-data", str(tmp_path / "knn"), "--output-dir", str(tmp_path / "o")] + base,
+               "has no val/ folder")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    user_error(["--data", data, "--output-dir", str(blocker / "sub")] + base, "not writable")
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"not a checkpoint")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "j"), "--resume", str(junk)] + base,
+               "is not a PyTorch checkpoint .it begins")
+    main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "r18")] + base)
+    other = [a if a != "resnet18" else "resnet34" for a in base]
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + other, "--arch resnet18")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--queue-size", "64"], "--queue-size")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--optimizer", "lars"],
+               "--optimizer sgd")
+    # the optimizer's saved state would silently keep the old weight decay; the objective may not change mid-run
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd", "1e-3"],
+               "--weight-decay 0.0001, not 0.001")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--method", "moco"], "--method sce")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--tau-m", "0.05"], "--tau-m 0.07")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd-exclude-bias-norm"],
+               "--wd-exclude-bias-norm \\(off\\), not \\(on\\)")
+    mid = load(tmp_path / "r18" / "checkpoint_last.pth")
+    mid["step_in_epoch"] = 1  # as a preempted run leaves it
+    torch.save(mid, tmp_path / "mid.pth")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "m"), "--resume", str(tmp_path / "mid.pth")]
+               + base + ["--batch-size", "4", "--queue-size", "32"], "stopped mid-epoch with --batch-size 8")
+    # spelling out what the run applied (SGD: no exclusion) is the same setting
+    main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--no-wd-exclude-bias-norm"])
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18"), "--resume", "none"] + base, "would overwrite")
+
+
+def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
+    import main_lincls
+    foreign = tmp_path / "foreign.pth"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    with pytest.raises(UserError, match=f"{re.escape(str(foreign))}.*no torchvision-style ResNet trunk"):
+        main_lincls.main(["--data", data, "--pretrained", str(foreign), "--workers", "0"])
+    with pytest.raises(UserError, match=f"{re.escape(pretrained)}.*resnet18.*--arch resnet50"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--arch", "resnet50", "--workers", "0"])
+    one = write_imagefolder(tmp_path / "one", 1, 2, 16)
+    with pytest.raises(UserError, match=f"{re.escape(os.path.join(one, 'train'))}.*single class"):
+        main_lincls.main(["--data", one, "--pretrained", pretrained, "--workers", "0",
+                          "--output-dir", str(tmp_path / "1")])
+    with pytest.raises(UserError, match="not a main_lincls.py checkpoint"):
+        main_lincls.main(["--data", data, "--resume", pretrained, "--workers", "0", "--output-dir", str(tmp_path)])
+    with pytest.raises(UserError, match="--evaluate needs a trained head"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--evaluate", "--workers", "0",
+                          "--output-dir", str(tmp_path)])
+    odd = write_imagefolder(tmp_path / "odd", 3, 2, 16)
+    os.rename(os.path.join(odd, "val", "class_2"), os.path.join(odd, "val", "class_9"))
+    with pytest.raises(UserError, match="different classes .first difference: class_2.: both need the same"):
+        main_lincls.main(["--data", odd, "--pretrained", pretrained, "--workers", "0",
+                          "--output-dir", str(tmp_path / "2")])
+    with pytest.raises(UserError, match="--metric map11 does not fit --dataset imagefolder"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--metric", "map11",
+                          "--workers", "0", "--output-dir", str(tmp_path)])
+    for flag, value, match in [("--print-freq", "0", "positive"), ("--knn-t", "0", "positive"), ("--lr", "-1", ">= 0"),
+                               ("--logreg-c", "-1", "positive")]:
+        with pytest.raises(UserError, match=f"{flag} must be {match}"):
+            main_lincls.main(["--data", data, "--pretrained", pretrained, flag, value, "--workers", "0"])
+    with pytest.raises(UserError, match="voc07 is multi-label: use --classifier logreg"):
+        main_lincls.main(["--data", data, "--dataset", "voc07", "--pretrained", pretrained, "--workers", "0",
+                          "--output-dir", str(tmp_path)])
+    # the head overflows after the first step; the non-finite loss is noted on the device and
+    # reported at the next progress line, before anything is saved
+    with pytest.raises(UserError, match=r"loss is (nan|inf) at epoch 1 step [2-6]: lower --lr"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--workers", "0", "--lr", "1e38",
+                          "--batch-size", "4", "--epochs", "1", "--output-dir", str(tmp_path / "diverged")])
+    assert not os.path.exists(tmp_path / "diverged" / "checkpoint_last.pth")
+
+
+def spoil(folder, how):
+    """A file of `folder` no reader takes: bytes that are no image, or a real JPEG cut in half (its
+    header is fine: the device's decoder gets it)."""
+    path = os.path.join(folder, "x.jpg")
+    if how == "garbage":
+        data = b"not an image"
+    else:
+        buffer = io.BytesIO()
+        Image.fromarray(class_image(1, np.random.default_rng(1), 64)).save(buffer, "JPEG", quality=90)
+        data = buffer.getvalue()[:buffer.getbuffer().nbytes // 2]
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def assert_names(info, path):
+    message = str(info.value)
+    assert path in message and "fix or remove it" in message and "\n" not in message, message
+    assert "--max-bad-images" not in message, message
+
+
+@pytest.fixture(scope="module")
+def imagenet_stem(tmp_path_factory):
+    """A plain torchvision ResNet-18 state dict: an ImageNet-stem trunk, whose JPEGs --decode device reads."""
+    path = tmp_path_factory.mktemp("stem") / "resnet18.pth"
+    torch.save(build_trunk("resnet18", False)[0].state_dict(), path)
+    return str(path)
+
+
+PATHS = {  # main_lincls.py flags of each evaluation path
+    "knn loader": ["--knn", "--preload", "off"],
+    "knn workers": ["--knn", "--preload", "off", "--workers", "1"],
+    "knn preloaded": ["--knn", "--preload", "device"],
+    "knn decoded on the device": ["--knn", "--decode", "device", "--arch", "resnet18", "STEM"],
+    "linear loader": ["--epochs", "1", "--batch-size", "12", "--preload", "off"],
+    "logreg": ["--classifier", "logreg", "--logreg-c", "1"],
+}
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_unreadable_image_in_evaluation_is_one_line(pretrained, imagenet_stem, tmp_path, path, how):
+    data = write_imagefolder(tmp_path / "data", 3, 4, 16)
+    bad = spoil(os.path.join(data, "train", "class_1"), how)
+    flags = [f for f in PATHS[path] if f != "STEM"]
+    trunk = imagenet_stem if "STEM" in PATHS[path] else pretrained
+    with pytest.raises(UserError) as info:
+        main_lincls.main(["--data", data, "--pretrained", trunk, "--crop-size", "16", "--workers", "0",
+                          "--output-dir", str(tmp_path / "out")] + flags)
+    assert_names(info, bad)
+
+
+def test_unreadable_image_in_lowshot_is_one_line(pretrained, tmp_path):
+    from test_lowshot import write_voc
+    voc, _ = write_voc(tmp_path / "VOC2007", 8, 4, 16)
+    bad = os.path.join(voc, "JPEGImages", "000002.jpg")
+    with open(bad, "wb") as f:
+        f.write(b"not an image")
+    with pytest.raises(UserError) as info:
+        main_lowshot.main(["--data", voc, "--pretrained", pretrained, "--workers", "1", "--shots", "full",
+                           "--output-dir", str(tmp_path / "out")])
+    assert_names(info, bad)
+
+
+@pytest.mark.parametrize("preload", ["off", "device"])
+def test_unreadable_image_in_the_knn_monitor_is_one_line(tmp_path, preload):
+    data = write_imagefolder(tmp_path / "data", 2, 4, 16, splits=("",))
+    knn = write_imagefolder(tmp_path / "knn", 2, 2, 16)
+    bad = spoil(os.path.join(knn, "val", "class_0"), "truncated")
+    with pytest.raises(UserError) as info:  # whatever --max-bad-images says: the monitor reads every image
+        main_pretrain.main(["--data", data, "--knn-data", knn, "--epochs", "1", "--preload", preload,
+                            "--max-bad-images", "5", "--output-dir", str(tmp_path / "out")] + TINY)
+    assert_names(info, bad)
+    assert "every image" in next(a.help for a in main_pretrain.parser._actions if "--knn-data" in a.option_strings)
+
+
+def refuse_writes_under(monkeypatch, folder):
+    """Writes under `folder` fail as on a read-only folder (the tests run as root, which permissions do not stop)."""
+    real = builtins.open
+
+    def guarded(file, mode="r", *args, **kwargs):
+        if str(file).startswith(str(folder)) and set(mode) & set("wax+"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real(file, mode, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_unwritable_output_dir_stops_at_start(pretrained, data, tmp_path, monkeypatch, capsys):
+    from test_lowshot import write_voc
+    voc, _ = write_voc(tmp_path / "VOC2007", 8, 4, 16)
+    under_a_file = tmp_path / "file" / "out"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is not writable"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--knn", "--workers", "0",
+                          "--output-dir", str(under_a_file)])
+    with pytest.raises(UserError, match="is not writable"):
+        main_lowshot.main(["--data", voc, "--pretrained", pretrained, "--workers", "0", "--shots", "full",
+                           "--output-dir", str(under_a_file)])
+    capsys.readouterr()
+    refuse_writes_under(monkeypatch, tmp_path / "ro")
+    os.makedirs(tmp_path / "ro")
+    with pytest.raises(UserError, match="is not writable"):
+        main_lincls.main(["--data", data, "--pretrained", pretrained, "--knn", "--workers", "0",
+                          "--output-dir", str(tmp_path / "ro")])
+    assert "features" not in capsys.readouterr().out  # before any work
+
+
+def test_a_checkpoint_path_that_is_a_directory_says_so(data, tmp_path):
+    for flag in ("--pretrained", "--resume"):
+        with pytest.raises(UserError, match=f"{re.escape(str(tmp_path))} is a directory.*"
+                                            f"{re.escape(os.path.join(str(tmp_path), 'checkpoint_last.pth'))}"):
+            main_lincls.main(["--data", data, flag, str(tmp_path), "--workers", "0",
+                              "--output-dir", str(tmp_path / "out")])

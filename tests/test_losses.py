@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sce import losses
-from sce.builder import SCE
+from sce.builder import MomentumModel
 
 
 def unit_rows(n, d, seed):
@@ -106,7 +106,8 @@ def test_lambda_one_is_infonce(qkm):
 def test_terms_match_equations(qkm):
     q, k, queue = qkm
     assert losses.infonce_loss(q, k, queue, 0.2).item() == pytest.approx(reference_infonce(q, k, queue, 0.2), rel=1e-10)
-    assert losses.ressl_loss(q, k, queue, 0.1, 0.04).item() == pytest.approx(reference_ressl(q, k, queue, 0.1, 0.04), rel=1e-10)
+    expected = reference_ressl(q, k, queue, 0.1, 0.04)
+    assert losses.ressl_loss(q, k, queue, 0.1, 0.04).item() == pytest.approx(expected, rel=1e-10)
     assert losses.ceil_loss(q, k, queue, 0.1).item() == pytest.approx(reference_ceil(q, k, queue, 0.1), rel=1e-10)
     terms = losses.loss_terms(q, k, queue, 0.1, 0.07)
     assert terms["ressl"].item() == pytest.approx(reference_ressl(q, k, queue, 0.1, 0.07), rel=1e-10)
@@ -125,7 +126,7 @@ def test_gradient_reaches_only_the_online_branch():
     """SCE.forward then backward: the momentum branch and the queue get no gradient, even when they
     are set to require one (target() runs under no_grad, the loss uses a detached copy of the queue)."""
     torch.manual_seed(0)
-    model = SCE(losses.sce_loss, "resnet18", True, [32], 16, "affine", queue_size=16)
+    model = MomentumModel(losses.sce_loss, "resnet18", True, [32], 16, "affine", queue_size=16)
     assert not any(p.requires_grad for p in model.momentum_parameters()) and not model.queue.requires_grad
     for p in model.momentum_parameters():
         p.requires_grad_(True)

@@ -10,8 +10,9 @@ from PIL import Image
 
 from conftest import run_script
 from sce import UserError
-from sce.metrics import average_precision
-from sce.transfer import VOC_CLASSES, FitCount, cv_drops, lowshot_draw, read_voc07, svm_cv_map, svm_test_map
+from sce.data import read_voc07
+from sce.metrics import VOC_CLASSES, average_precision
+from sce.transfer import FitCount, cv_drops, cv_splits, lowshot_draw, svm_cv_map, svm_test_map
 
 
 def class_colour(c):
@@ -240,10 +241,11 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
 def test_voc07_logreg_uses_11point_map(pretrained, voc, tmp_path):
     import main_lincls
     main_lincls.main(["--data", voc[0], "--dataset", "voc07", "--classifier", "logreg", "--pretrained", pretrained,
-                      "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path)])
+                      "--crop-size", "16", "--workers", "0", "--logreg-c", "1",  # the C search: test_evaluation
+                      "--output-dir", str(tmp_path)])
     with open(tmp_path / "results_logreg.json") as f:
         result = json.load(f)
-    assert result["metric"] == "map11" and len(result["val"]) == 45 and 0 <= result["test"] <= 100
+    assert result["metric"] == "map11" and result["C"] == 1 and 0 <= result["test"] <= 100
 
 
 def test_svm_fits_that_did_not_converge_are_counted(monkeypatch):
@@ -255,7 +257,7 @@ def test_svm_fits_that_did_not_converge_are_counted(monkeypatch):
     svm_test_map(x, y, x, y, cost=1.0, count=converged)
     monkeypatch.setattr(sce.transfer, "SVM_MAX_ITER", 1)  # liblinear needs more than one pass here
     svm_test_map(x, y, x, y, cost=1.0, count=stopped)
-    svm_cv_map(x, y, 1.0, groups=np.arange(40), folds=2, count=stopped)  # 2 folds x 3 classes
+    svm_cv_map(x, cv_splits(y, np.arange(40), folds=2), 1.0, count=stopped)  # 2 folds x 3 classes
     assert converged.stalled == [False] * 3 and stopped.stalled == [True] * 9
     assert stopped.note(1, noun="SVM fits") == "9 of 9 SVM fits did not converge within 1 iterations"
 
@@ -267,16 +269,17 @@ def test_cv_says_which_folds_and_classes_it_drops():
     labels[[0, 1], 0] = 1  # 2 folds; the positives of one image train or are held out, never both: no AP
     labels[[0, 1, 5], 1] = 1  # 3 folds, one without a held-out positive
     labels[[3, 4, 6, 7, 8, 9], 2] = 1  # 3 folds, all scored
-    assert cv_drops(labels, groups, folds=3) == ("cv: 1 classes cut below 3 folds (too few positives or negatives); "
-                                                 "3 folds skipped (one class to train on or no positive held out); "
-                                                 "class #0 out of the mean (no fold scored)")
-    assert cv_drops(labels[:, 2:], groups, folds=3) == ""
+    assert cv_drops(cv_splits(labels, groups, folds=3)) == (
+        "cv: 1 classes cut below 3 folds (too few positives or negatives); 3 folds skipped (one class to train on "
+        "or no positive held out); class #0 out of the mean (no fold scored)")
+    assert cv_drops(cv_splits(labels[:, 2:], groups, folds=3)) == ""
     x = np.random.default_rng(0).normal(size=(12, 4))
     count = FitCount()
-    both = svm_cv_map(x, labels, 1.0, groups, folds=3, count=count)
+    both = svm_cv_map(x, cv_splits(labels, groups, folds=3), 1.0, count=count)
     assert len(count.stalled) == 2 + 3  # the fits of the scored folds only
     # class #0 is out of the mean: it is that of the other two
-    assert both == pytest.approx(np.mean([svm_cv_map(x, labels[:, [c]], 1.0, groups, folds=3) for c in (1, 2)]))
+    assert both == pytest.approx(np.mean([svm_cv_map(x, cv_splits(labels[:, [c]], groups, folds=3), 1.0)
+                                          for c in (1, 2)]))
 
 
 def test_cv_script_says_what_it_drops(contract_run, pretrained, voc, tmp_path, capsys, monkeypatch):
@@ -292,7 +295,7 @@ def test_cv_script_says_what_it_drops(contract_run, pretrained, voc, tmp_path, c
     drops = ("cv: 1 classes cut below 3 folds (too few positives or negatives); "
              "11 folds skipped (one class to train on or no positive held out)")
     idx = lowshot_draw(voc[1]["trainval"], 2, [0, 2, 0]).ravel()
-    assert cv_drops(voc[1]["trainval"][idx], idx, folds=3) == drops
+    assert cv_drops(cv_splits(voc[1]["trainval"][idx], idx, folds=3)) == drops
     assert f"\nK 2 draw 1/1: {drops}\n" in stdout, stdout
     # 59 - 11 cv fits, then 20 test fits
     assert re.search(r"test mAP \d+\.\d\d \(68 of 68 SVM fits did not converge within 1 iterations\)$", stdout, re.M)

@@ -87,4 +87,5 @@ def test_mean_per_class_ignores_classes_only_predicted():
     # class 3 is predicted but absent from the labels: no recall of its own, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert mean_per_class_accuracy([0, 0, 1, 1, 0, 2, 3], [0, 0, 0, 1, 2, 2, 2]) == pytest.approx(100 * (2 / 3 + 1 + 1 / 3) / 3)
+        got = mean_per_class_accuracy([0, 0, 1, 1, 0, 2, 3], [0, 0, 0, 1, 2, 2, 2])
+        assert got == pytest.approx(100 * (2 / 3 + 1 + 1 / 3) / 3)

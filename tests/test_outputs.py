@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load, write_imagefolder
+from conftest import TINY, load, write_imagefolder
 import main_lincls
 import main_lowshot
 import main_pretrain
@@ -19,9 +19,6 @@ from sce import UserError, outdir
 from sce.builder import build_trunk
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
-
-TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
-        "--proj-hidden-dims", "32", "--proj-dim", "16", "--print-freq", "1", "--workers", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +110,7 @@ def test_a_knn_lost_after_the_last_checkpoint_is_completed_by_the_rerun(data, tm
     def failing(*a, **k):
         raise RuntimeError("the kNN monitor failed")
     with monkeypatch.context() as m:
-        m.setattr(main_pretrain, "knn_monitor", failing)
+        m.setattr(main_pretrain.knn.Monitor, "__call__", failing)
         with pytest.raises(RuntimeError, match="the kNN monitor failed"):
             main_pretrain.main(args)
     assert load(tmp_path / "checkpoint_last.pth")["epoch"] == 1 and not (tmp_path / "log.txt").exists()

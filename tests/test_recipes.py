@@ -4,6 +4,7 @@ import re
 import shlex
 
 import pytest
+import torch
 
 from conftest import REPO
 import main_pretrain
@@ -43,6 +44,8 @@ def test_recipes_cover_the_paper():
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[-60:] for c in COMMANDS])
 def test_recipe_parses(argv):
     args = main_pretrain.parse_args(argv)
+    one_gpu = "--small-input" in argv  # the small datasets' runs; the others on 8 GPUs or more
+    main_pretrain.check_args(args, 1 if one_gpu else 8, torch.device("cuda"))  # the script's own checks
     keys_per_step = args.batch_size * (2 if args.symmetric else 1)
     assert args.queue_size % keys_per_step == 0
     assert args.tau_m <= args.tau or args.loss == "infonce"

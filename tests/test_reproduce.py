@@ -1,11 +1,13 @@
 """benchmarks/reproduce.sh: the baselines table's small and medium datasets from their official files (written
 here in each format, a few images each): SMOKE=1 runs the whole script, its commands are RECIPES.md's settings,
 bad input is one line, and a signal reaches the running stage instead of orphaning it."""
+import importlib.util
 import json
 import os
 import pickle
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 
 from conftest import REPO, write_cifar, write_imagefolder, write_stl10, write_tiny_imagenet
 import main_pretrain
+from sce import UserError
 from test_recipes import COMMANDS
 
 SCRIPT = os.path.join(REPO, "benchmarks", "reproduce.sh")
@@ -35,8 +38,8 @@ def reproduce(dataset, data, out, timeout=300, **env):
 
 @pytest.mark.parametrize("dataset", ["stl10"])  # ImageFolder: test_a_signal_...; every layout's reading: DRY_RUN
 def test_smoke_run_from_official_files(tmp_path, dataset):
-    """SMOKE=1 on an official layout trains on a small ImageFolder of it, shows a line per epoch of each stage; a
-    second invocation for another method keeps the first's row; a third runs nothing."""
+    """SMOKE=1 on an official layout trains on a small ImageFolder of it, shows a line per epoch of each stage; run
+    again, it runs nothing and its table holds every method finished in OUT_DIR."""
     WRITERS[dataset](str(tmp_path / "data"))
     proc = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -46,21 +49,21 @@ def test_smoke_run_from_official_files(tmp_path, dataset):
                      r"   sce linear: 1 epochs x 8 images: [\d.]+ min", proc.stdout)
     assert re.search(r"^   Epoch \[1/1\]\[1/1\] loss .*\n   => epoch 1: kNN top-1 ", proc.stdout, re.M)  # pretraining
     assert re.search(r"^   Epoch 1/1: Acc@1 ", proc.stdout, re.M)  # the linear probe's epoch
-    moco = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="moco")
-    assert moco.returncode == 0, moco.stdout[-2000:] + moco.stderr[-2000:]
+    # the same command again: every stage is done, nothing runs again; a method finished in OUT_DIR by another
+    # invocation (here ReSSL, a copy of the SCE run standing for one) is in the table too
+    shutil.copytree(tmp_path / "out" / "sce", tmp_path / "out" / "ressl")
+    again = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
+    assert again.returncode == 0 and "===" not in again.stdout and "| SCE |" in again.stdout
     results = json.load(open(tmp_path / "out" / "results.json"))
     paper = {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "tiny-imagenet": 51.90}[dataset]
-    assert sorted(results["methods"]) == ["moco", "sce"]  # the first invocation's method kept
+    assert sorted(results["methods"]) == ["ressl", "sce"]
     row = results["methods"]["sce"]
     assert results["dataset"] == dataset and row["paper_linear_top1"] == paper
     assert 0 <= row["linear_top1"] <= 100 and 0 <= row["knn_top1"] <= 100 and row["pretrain_s"] > 0
     assert row["knn_top1"] == json.loads(open(tmp_path / "out" / "sce" / "log.txt").read().splitlines()[-1])["knn_top1"]
     table = open(tmp_path / "out" / "results.md").read()
     assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | {paper:.2f} |" \
-        in table and "| MoCo v2 | " in table
-    # the same command again: every stage is done, nothing runs again
-    again = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
-    assert again.returncode == 0 and "===" not in again.stdout and "| SCE |" in again.stdout
+        in table and "| ReSSL | " in table
 
 
 def commands(stdout):
@@ -79,11 +82,16 @@ def test_commands_are_recipes_settings(tmp_path):
             "shuffle_bn"]
     own = {"sce": None, "moco": ["--method", "moco", "--tau", "0.2"],
            "ressl": ["--method", "ressl", "--tau", "0.1", "--tau-m", "0.04"]}
-    for dataset in WRITERS:
+    runs = {}
+    for dataset in WRITERS:  # the four at once: their checks import torch, seconds each
         WRITERS[dataset](str(tmp_path / dataset))
-        proc = reproduce(dataset, tmp_path / dataset, tmp_path / "out" / dataset, DRY_RUN="1")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        found = commands(proc.stdout)
+        command = ["bash", SCRIPT, dataset, str(tmp_path / dataset), str(tmp_path / "out" / dataset)]
+        runs[dataset] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         env=dict(ENV, DRY_RUN="1"))
+    for dataset, proc in runs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        found = commands(stdout)
         assert sorted(found) == sorted((m, s) for m in own for s in ("pretrain", "linear"))
         recipe = next(c for c in COMMANDS if f"--dataset {dataset} " in " ".join(c))
         for method, flags in own.items():
@@ -109,24 +117,36 @@ def test_bad_input_is_one_line(tmp_path):
     old = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "reproduce_cifar10.sh"), str(tmp_path / "empty")],
                          capture_output=True, text=True, env=ENV)  # the former script: reproduce.sh cifar10
     assert old.returncode == 1 and "holds none of cifar10's layouts" in old.stderr
-    folder = write_cifar(str(tmp_path / "cifar"), 10)
-    os.remove(os.path.join(folder, "data_batch_3"))
-    assert "cifar-10-batches-py/data_batch_3 not found: CIFAR10 needs" in error("cifar10", tmp_path / "cifar")
+    write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
+    assert "unknown method 'simclr'" in error("cifar10", tmp_path / "folders", METHODS="sce simclr")
+    assert "METHODS is empty" in error("cifar10", tmp_path / "folders", METHODS=" ")
     folder = write_stl10(str(tmp_path / "stl"))
     with open(os.path.join(folder, "unlabeled_X.bin"), "r+b") as f:
         f.truncate(3 * 96 * 96 * 5 + 1000)  # a download cut off
     assert "unlabeled_X.bin is cut short" in error("stl10", tmp_path / "stl")
-    write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
-    assert "unknown method 'simclr'" in error("cifar10", tmp_path / "folders", METHODS="sce simclr")
-    assert "METHODS is empty" in error("cifar10", tmp_path / "folders", METHODS=" ")
-    # the up-front check reads what it says it reads: each CIFAR batch's labels against its images ...
+
+
+def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
+    """Every file of an official layout, each CIFAR batch's images against its labels, every val image Tiny-ImageNet
+    lists: named in one line before any training (reproduce_tools.check, as reproduce.sh runs it)."""
+    tools = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
+        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduce_tools.py")))
+    tools.__spec__.loader.exec_module(tools)
+
+    def error(dataset, data):
+        with pytest.raises(UserError) as info:
+            tools.check(dataset, str(data), str(tmp_path / "data.env"))
+        assert "\n" not in str(info.value)
+        return str(info.value)
+    folder = write_cifar(str(tmp_path / "cifar"), 10)
+    os.remove(os.path.join(folder, "data_batch_3"))
+    assert "cifar-10-batches-py/data_batch_3 not found: CIFAR10 needs" in error("cifar10", tmp_path / "cifar")
     folder = write_cifar(str(tmp_path / "cifar90"), 10, per_batch=10)
     with open(os.path.join(folder, "test_batch"), "rb") as f:
         batch = pickle.load(f)
     with open(os.path.join(folder, "test_batch"), "wb") as f:
         pickle.dump(dict(batch, labels=batch["labels"][:9]), f)
     assert "test_batch holds 10 images for 9 labels: download CIFAR10 again" in error("cifar10", tmp_path / "cifar90")
-    # ... and that every val image Tiny-ImageNet lists exists
     root = write_tiny_imagenet(str(tmp_path / "tiny" / "tiny-imagenet-200"))
     os.remove(os.path.join(root, "val", "images", "val_4.JPEG"))
     assert "val_4.JPEG, listed on line 5 of" in error("tiny-imagenet", tmp_path / "tiny")
@@ -146,46 +166,48 @@ def test_the_interpreter_is_found_without_python_on_path(tmp_path):
     assert proc.returncode == 0 and "=== sce pretrain: python3 main_pretrain.py" in proc.stdout, proc.stderr
 
 
-def test_a_signal_reaches_the_running_stage(tmp_path):
-    """SIGTERM to the script (not its group): the pretraining it runs saves and stops, the script exits with its
-    code and says how to continue; no Python process is left running."""
-    write_imagefolder(tmp_path / "data", num_classes=2, per_class=26, size=16)  # 4 steps, a stop request at each
-    proc = subprocess.Popen(["bash", SCRIPT, "cifar10", str(tmp_path / "data"), str(tmp_path / "out")], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
-    log = tmp_path / "out" / "sce.pretrain.log"
-    deadline = time.time() + 120
-    while not (log.exists() and "=> sce on " in log.read_text()):  # about to train, its handler installed
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 75 and "interrupted: run the same command again to continue" in err
-    assert "=> preempted" in log.read_text()
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "out")], capture_output=True, text=True).stdout
-    assert not left.strip()
-    # the same command continues the stopped epoch, then the linear probe and the table: an ImageFolder's run
-    done = reproduce("cifar10", tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
-    assert done.returncode == 0 and "=> cifar10: image files in train/ and val/ class folders" in done.stdout
-    assert "=> resuming from" in log.read_text() and "| SCE |" in done.stdout
+def launch(data, out):
+    """reproduce.sh SMOKE=1 of SCE, started."""
+    return subprocess.Popen(["bash", SCRIPT, "cifar10", str(data), str(out)], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
 
 
-def test_one_invocation_per_out_dir_and_a_killed_script_stops_its_stage(tmp_path):
-    """While reproduce.sh runs, a second one into its OUT_DIR is refused; killed outright (SIGKILL: no trap runs), its
-    running stage notices within seconds, saves and stops: nothing trains on orphaned."""
-    write_imagefolder(tmp_path / "data", num_classes=10, per_class=16, size=16)  # 20 steps
-    proc = subprocess.Popen(["bash", SCRIPT, "cifar10", str(tmp_path / "data"), str(tmp_path / "out")], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
-    log = tmp_path / "out" / "sce.pretrain.log"
-    deadline = time.time() + 120
+def training(proc, out):
+    """Once its pretraining stage is about to train (its stop handler installed)."""
+    log, deadline = out / "sce.pretrain.log", time.time() + 120
     while not (log.exists() and "=> sce on " in log.read_text()):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
-    second = reproduce("cifar10", tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
-    assert second.returncode == 1 and f"is in use by another reproduce.sh (PID {proc.pid})" in second.stderr
-    proc.kill()
-    proc.communicate()
+
+
+def running(out):
+    return subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 0
+
+
+def test_a_stop_reaches_the_running_stage_and_the_same_command_continues(tmp_path):
+    """Two invocations side by side. SIGTERM to one script (not its group): the pretraining it runs saves and stops,
+    the script exits with its code and says how to continue, no Python process is left, and the same command
+    continues the stopped epoch, then the linear probe and the table. While the other runs, a second invocation
+    into its OUT_DIR is refused; killed outright (SIGKILL: no trap runs), its running stage notices within seconds,
+    saves and stops: nothing trains on orphaned."""
+    write_imagefolder(tmp_path / "small", num_classes=2, per_class=16, size=16)  # 4 steps, a stop request at each
+    write_imagefolder(tmp_path / "large", num_classes=10, per_class=16, size=16)  # 20 steps: time to notice a kill
+    killed, stopped = launch(tmp_path / "large", tmp_path / "kill"), launch(tmp_path / "small", tmp_path / "term")
+    training(stopped, tmp_path / "term")
+    stopped.send_signal(signal.SIGTERM)
+    _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 75 and "interrupted: run the same command again to continue" in err
+    training(killed, tmp_path / "kill")
+    second = reproduce("cifar10", tmp_path / "large", tmp_path / "kill", SMOKE="1", METHODS="sce")
+    assert second.returncode == 1 and f"is in use by another reproduce.sh (PID {killed.pid})" in second.stderr
+    killed.kill()
+    killed.communicate()
     deadline = time.time() + 30
-    while subprocess.run(["pgrep", "-f", str(tmp_path / "out")], capture_output=True).returncode == 0:
-        assert time.time() < deadline, "the stage of the killed script still runs"
+    while running(tmp_path / "term") or running(tmp_path / "kill"):
+        assert time.time() < deadline, "a stage still runs"
         time.sleep(0.2)
-    assert "=> preempted: saved epoch 0 step" in log.read_text()
+    for out in ("term", "kill"):
+        assert "=> preempted: saved epoch 0 step" in (tmp_path / out / "sce.pretrain.log").read_text(), out
+    done = reproduce("cifar10", tmp_path / "small", tmp_path / "term", SMOKE="1", METHODS="sce")
+    assert done.returncode == 0 and "=> cifar10: image files in train/ and val/ class folders" in done.stdout
+    assert "=> resuming from" in (tmp_path / "term" / "sce.pretrain.log").read_text() and "| SCE |" in done.stdout

@@ -1,4 +1,6 @@
-"""Data: the augmentation table, per-sample determinism, the sampler, and the real file formats."""
+"""The dataset readers (sce.data.files) on small files written in the real formats: CIFAR's python batches, STL-10's
+binaries, Tiny-ImageNet's folders and ImageNet100's class list, images of every mode as RGB (PIL and the tensor
+reader alike), missing and empty data, and a dataset's fingerprint."""
 import os
 import pickle
 
@@ -11,42 +13,8 @@ from PIL import Image
 
 from conftest import write_cifar, write_imagefolder
 from sce import UserError
-from sce.augment import MultiView, View
-import sce.datasets
-from sce.datasets import build_dataset, load_rgb, load_rgb_tensor
-from sce.loader import WORKER_NICENESS, PretrainDataset, ResumableSampler, init_pretrain_worker, sample_seed
-
-
-def test_views_are_a_function_of_seed_epoch_index(imagefolder):
-    ds = build_dataset("imagefolder", imagefolder, "pretrain")
-    data = PretrainDataset(ds, MultiView([View("strong", 16), View("strong", 16)]), seed=3)
-    a, b = data[(0, 5)][0], data[(0, 5)][0]
-    torch.manual_seed(123)  # the global RNG must not matter
-    c = data[(0, 5)][0]
-    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
-    assert not torch.equal(a[0], a[1])
-    assert not torch.equal(a[0], data[(1, 5)][0][0])
-
-
-def test_sample_seeds_do_not_collide():
-    # a linear mix of (seed, epoch, index) gave image i + 100003 at epoch e the stream of image i at e + 1
-    seeds = {sample_seed(0, epoch, index) for epoch in range(3) for index in (0, 1, 100_003, 100_004)}
-    assert len(seeds) == 12
-    assert sample_seed(0, 0, 5) == sample_seed(0, 0, 5) != sample_seed(1, 0, 5)
-
-
-def test_sampler_ranks_partition_the_global_batches():
-    single = list(ResumableSampler(50, 8, seed=1))
-    assert len(single) == 48 and len({i for _, i in single}) == 48
-    parts = [list(ResumableSampler(50, 8, rank=r, world_size=2, seed=1)) for r in range(2)]
-    for step in range(6):
-        assert single[step * 8:(step + 1) * 8] == parts[0][step * 4:(step + 1) * 4] + parts[1][step * 4:(step + 1) * 4]
-    resumed = ResumableSampler(50, 8, rank=1, world_size=2, seed=1)
-    resumed.set_epoch(0, start_step=4)
-    assert list(resumed) == parts[1][16:] and len(resumed) == 8
-    other = ResumableSampler(50, 8, seed=1)
-    other.set_epoch(1)
-    assert [i for _, i in other] != [i for _, i in single] and {e for e, _ in other} == {1}
+from sce.data import build_dataset, files, fingerprint
+from sce.data.files import load_rgb, load_rgb_tensor
 
 
 def test_cifar_batches(tmp_path):
@@ -141,17 +109,17 @@ def test_tensor_loader_reads_every_mode_as_pil_does(tmp_path, monkeypatch):
     from sklearn.datasets import load_sample_images
     photo = Image.fromarray(load_sample_images().images[0][100:160, 200:280])  # real content, 80x60
     deep = Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257)  # 16-bit
-    files = {"420.jpg": (photo, {}), "444.jpg": (photo, dict(subsampling=0)),
+    kinds = {"420.jpg": (photo, {}), "444.jpg": (photo, dict(subsampling=0)),
              "progressive.jpg": (photo, dict(progressive=True)), "gray.jpg": (photo.convert("L"), {}),
              "cmyk.jpg": (photo.convert("CMYK"), {}), "palette.png": (photo.convert("P"), {}),
              "rgba.png": (photo.convert("RGBA"), {}), "deep.png": (deep, {})}
-    for name, (img, options) in files.items():
+    for name, (img, options) in kinds.items():
         img.save(tmp_path / name, **options)
-    decoded, decode_jpeg = [], sce.datasets.decode_jpeg
+    decoded, decode_jpeg = [], files.decode_jpeg
     if decode_jpeg is None:
         pytest.skip("this torchvision has no JPEG decoder: load_rgb_tensor reads with PIL")
-    monkeypatch.setattr(sce.datasets, "decode_jpeg", lambda *a, **k: decoded.append(1) or decode_jpeg(*a, **k))
-    for name in files:
+    monkeypatch.setattr(files, "decode_jpeg", lambda *a, **k: decoded.append(1) or decode_jpeg(*a, **k))
+    for name in kinds:
         before = len(decoded)
         tensor = load_rgb_tensor(str(tmp_path / name))
         expected = TF.pil_to_tensor(load_rgb(str(tmp_path / name)))
@@ -164,8 +132,6 @@ def test_tensor_loader_reads_every_mode_as_pil_does(tmp_path, monkeypatch):
     (tmp_path / "text.jpg").write_text("not an image")
     with pytest.raises(OSError):
         load_rgb_tensor(str(tmp_path / "text.jpg"))
-    with pytest.raises(TypeError, match="--augment cpu views take PIL images"):  # the tensors are for device views
-        MultiView([View("weak", 16)])(load_rgb_tensor(str(tmp_path / "420.jpg")))
 
 
 def test_missing_and_empty_data(tmp_path):
@@ -177,18 +143,17 @@ def test_missing_and_empty_data(tmp_path):
         build_dataset("imagefolder", str(tmp_path / "empty"), "pretrain")
 
 
-class Niceness(torch.utils.data.Dataset):
-    def __len__(self):
-        return 2
-
-    def __getitem__(self, i):
-        return os.nice(0)
-
-
-def test_pretrain_workers_yield_the_cpu_to_training():
-    """Workers run at a lower priority than the training process (which launches the GPU kernels)."""
-    loader = torch.utils.data.DataLoader(Niceness(), batch_size=2, num_workers=1, worker_init_fn=init_pretrain_worker)
-    (niceness,) = list(loader)
-    assert WORKER_NICENESS > 0 and niceness.tolist() == [min(19, os.nice(0) + WORKER_NICENESS)] * 2
-    if os.nice(0) < 19:
-        assert niceness[0] > os.nice(0)
+def test_the_fingerprint_tells_datasets_of_one_size_apart(tmp_path):
+    """A mid-epoch resume compares it: the file names and labels of a folder, the labels and pixels of CIFAR's
+    arrays; the folder's place on disk does not count."""
+    a = write_imagefolder(tmp_path / "a", 2, 4, 16, splits=("",))
+    b = write_imagefolder(tmp_path / "b", 2, 4, 16, splits=("",))
+    assert fingerprint(build_dataset("imagefolder", a, "pretrain")) == fingerprint(build_dataset("imagefolder", b,
+                                                                                                 "pretrain"))
+    os.rename(os.path.join(b, "class_1", "3.png"), os.path.join(b, "class_1", "9.png"))
+    assert fingerprint(build_dataset("imagefolder", a, "pretrain")) != fingerprint(build_dataset("imagefolder", b,
+                                                                                                 "pretrain"))
+    write_cifar(tmp_path / "c1", 10, seed=0)
+    write_cifar(tmp_path / "c2", 10, seed=1)  # the same labels, other pixels
+    one, two = (build_dataset("cifar10", str(tmp_path / c), "pretrain") for c in ("c1", "c2"))
+    assert len(one) == len(two) and one.targets == two.targets and fingerprint(one) != fingerprint(two)

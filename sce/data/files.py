@@ -1,6 +1,7 @@
-"""Dataset readers: image files of any mode as RGB (PIL, or libjpeg-turbo into a tensor), ImageFolder with
-class lists (ImageNet100), Tiny-ImageNet's val annotations, CIFAR's python batches and STL10's binaries with
-a partial download named, and the demo's digits."""
+"""Dataset readers: image files of any mode as RGB (PIL, or libjpeg-turbo into a tensor, or a plain JPEG's bytes
+for the device's decoder), ImageFolder with class lists (ImageNet100), Tiny-ImageNet's val annotations, CIFAR's
+python batches and STL10's binaries with a partial download named, VOC2007's image lists, the demo's digits,
+and a dataset's fingerprint."""
 import hashlib
 import io
 import os
@@ -21,7 +22,7 @@ except ImportError:
     decode_jpeg = None
 
 from sce import UserError
-from sce.augment import Encoded
+from sce.metrics import VOC_CLASSES
 
 IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
 DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]
@@ -79,8 +80,16 @@ def read_header(data):
     return img.format, img.mode, (img.height, img.width), plain
 
 
+class Encoded:
+    """A JPEG file's bytes (uint8 tensor) and its (height, width) from the header: decoded later, on the
+    training device (sce.data.jpeg)."""
+
+    def __init__(self, data, size):
+        self.data, self.size = data, size
+
+
 def read_encoded(path):
-    """A plain JPEG (read_header), which the training device decodes (sce.device_decode), as an Encoded:
+    """A plain JPEG (read_header), which the training device decodes (sce.data.jpeg), as an Encoded:
     its bytes and its size from the header; any other file (PNG, progressive or CMYK JPEG, ...) decoded
     here into a uint8 tensor (3, H, W), as load_rgb_tensor."""
     with open(path, "rb") as f:
@@ -110,15 +119,16 @@ def class_folders(directory):
     return classes
 
 
-class Folder(ImageFolder):
-    """ImageFolder that reads with load_rgb (load_rgb_tensor: as_tensor; read_encoded: encoded),
-    tolerates empty class folders, skips hidden ones, and can keep only the classes of a list file
-    (ImageNet100)."""
+READERS = {"pil": load_rgb, "tensor": load_rgb_tensor, "encoded": read_encoded}  # how image files are read
 
-    def __init__(self, root, transform=None, classes=None, as_tensor=False, encoded=False):
+
+class Folder(ImageFolder):
+    """ImageFolder that reads with one of READERS, tolerates empty class folders, skips hidden ones, and can
+    keep only the classes of a list file (ImageNet100)."""
+
+    def __init__(self, root, transform=None, classes=None, read="pil"):
         self.keep = classes
-        loader = read_encoded if encoded else load_rgb_tensor if as_tensor else load_rgb
-        super().__init__(root, transform=transform, loader=loader, allow_empty=True)
+        super().__init__(root, transform=transform, loader=READERS[read], allow_empty=True)
         if not self.samples:
             official = next((OFFICIAL_LAYOUTS[c] for c in self.classes if c in OFFICIAL_LAYOUTS), None)
             raise UserError(f"no images found under {root}: " + (
@@ -162,13 +172,14 @@ class TinyImageNetVal(Dataset):
         if unknown:
             raise UserError(f"{listing} names {len(unknown)} classes that train/ lacks (first: {unknown[0]}): "
                             "train/ needs one folder per class")
-        present = set(os.listdir(os.path.join(root, "images"))) if os.path.isdir(os.path.join(root, "images")) else set()
+        images = os.path.join(root, "images")
+        present = set(os.listdir(images)) if os.path.isdir(images) else set()
         missing = [(number, name) for number, name, _ in rows if name not in present]
         if missing:
             number, name = missing[0]
-            raise UserError(f"{os.path.join(root, 'images', name)}, listed on line {number} of {listing}, is missing "
+            raise UserError(f"{os.path.join(images, name)}, listed on line {number} of {listing}, is missing "
                             f"({len(missing)} listed images are): {self.remedy}")
-        self.samples = [(os.path.join(root, "images", name), index[wnid]) for _, name, wnid in rows]
+        self.samples = [(os.path.join(images, name), index[wnid]) for _, name, wnid in rows]
         self.targets = [t for _, t in self.samples]
         self.classes, self.transform, self.root = list(classes), transform, root
 
@@ -198,7 +209,8 @@ class CIFAR10Files(CIFAR10):
 
 class CIFAR100Files(CIFAR100):
     """torchvision's CIFAR100 without the md5 check."""
-    train_list, test_list, meta = _no_md5(CIFAR100.train_list), _no_md5(CIFAR100.test_list), dict(CIFAR100.meta, md5=None)
+    train_list, test_list = _no_md5(CIFAR100.train_list), _no_md5(CIFAR100.test_list)
+    meta = dict(CIFAR100.meta, md5=None)
 
 
 class STL10Files(STL10):
@@ -279,10 +291,10 @@ def read_stl10(root, split, transform=None):
     return _torchvision_dataset(STL10Files, root, "STL10", split=split, transform=transform)
 
 
-def build_dataset(name, root, split="train", transform=None, class_list=None, as_tensor=False, encoded=False):
+def build_dataset(name, root, split="train", transform=None, class_list=None, read="pil"):
     """split: 'pretrain' (STL10: train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10).
-    as_tensor: image files come as uint8 tensors (load_rgb_tensor); the others stay PIL images.
-    encoded: baseline JPEG files come encoded, for the device's decoder (read_encoded)."""
+    read: how image files are read (READERS): PIL images, uint8 tensors, or plain JPEGs left encoded for the
+    device's decoder; CIFAR and STL10 images are PIL images."""
     if not root or not os.path.exists(root):
         raise UserError(f"data path {root!r} does not exist: pass --data DIR")
     if name not in DATASETS:
@@ -304,8 +316,91 @@ def build_dataset(name, root, split="train", transform=None, class_list=None, as
         if name == "imagenet100":
             with open(class_list or IMAGENET100) as f:
                 keep = f.read().split()
-        return Folder(sub, transform, keep, as_tensor, encoded)
+        return Folder(sub, transform, keep, read)
     return ds
+
+
+def read_voc07(root, split):
+    """Image paths and a (N, 20) int8 label matrix (1 / -1 / 0 = difficult) of a VOC2007 split
+    (trainval, test, train, val), from ImageSets/Main/<class>_<split>.txt."""
+    main = os.path.join(root, "ImageSets", "Main")
+    names, columns = None, []
+    for cls in VOC_CLASSES:
+        path = os.path.join(main, f"{cls}_{split}.txt")
+        if not os.path.isfile(path):
+            raise UserError(f"{path} not found: a VOC2007 tree needs JPEGImages/ and "
+                            f"ImageSets/Main/<class>_{split}.txt for each of the 20 classes")
+        rows = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                parts = line.split()
+                if not parts:
+                    continue
+                if len(parts) != 2 or parts[1] not in ("1", "-1", "0"):
+                    raise UserError(f"{path} line {n}: expected '<image id> <1|-1|0>', got {line.strip()!r}")
+                rows.append(parts)
+        ids = [r[0] for r in rows]
+        if names is None:
+            names = ids
+        elif ids != names:
+            raise UserError(f"{path} lists other images than {VOC_CLASSES[0]}_{split}.txt: "
+                            "every class file of a split must list the same images in the same order")
+        columns.append([int(r[1]) for r in rows])
+    if not names:
+        raise UserError(f"{main}/*_{split}.txt list no image")
+    paths = [os.path.join(root, "JPEGImages", f"{n}.jpg") for n in names]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise UserError(f"{missing[0]} not found ({len(missing)} images of the {split} split missing): "
+                        "expected JPEGImages/<image id>.jpg")
+    return paths, np.array(columns, dtype=np.int8).T
+
+
+class ImageList(Dataset):
+    """Images from a list of paths with their targets (any array indexed by image), read as READERS[read];
+    an image's target is its index (VOC07's label rows stay with the caller)."""
+
+    def __init__(self, paths, targets, transform=None, read="pil"):
+        self.paths, self.targets, self.transform, self.read = paths, targets, transform, READERS[read]
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        img = self.read(self.paths[i])
+        return (self.transform(img) if self.transform else img), i
+
+    def path(self, i):
+        return self.paths[i]
+
+
+class UnreadableImage(UserError):
+    """An image an evaluation cannot read. Raised in a loader worker, torch raises it again in the main
+    process with the worker's traceback as its message: the last line, this error's own, is kept."""
+
+    def __init__(self, message):
+        super().__init__(message.strip().splitlines()[-1].split("UnreadableImage: ", 1)[-1])
+
+    @classmethod
+    def of(cls, dataset, index, reason, others=0):
+        more = f"; {others} more unreadable images" if others else ""
+        reason = (str(reason).strip().splitlines() or ["?"])[0][:200]
+        remedy = getattr(unwrap(dataset, index)[0], "remedy", "fix or remove it")
+        return cls(f"cannot read {image_path(dataset, index)} ({reason}){more}: {remedy} (an evaluation reads every "
+                   "image)")
+
+
+def unwrap(dataset, i):
+    """(the dataset under any Subsets, and image i's index there)."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset, i = dataset.dataset, dataset.indices[i]
+    return dataset, i
+
+
+def image_path(dataset, i):
+    """The file of image i of a dataset (through Subsets), or its index where it has none (CIFAR, STL10)."""
+    dataset, i = unwrap(dataset, i)
+    return dataset.path(i) if hasattr(dataset, "path") else f"image #{i}"
 
 
 def digits_imagefolder(root):

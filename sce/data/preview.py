@@ -7,9 +7,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 from sce import UserError
-from sce.augment import MEAN, STD
-from sce.device_augment import views_to_device
-from sce.loader import PretrainDataset, collate_views
+from sce.data.ops import MEAN, STD
 
 HEADER = 16  # px of label above each column
 
@@ -43,17 +41,12 @@ def view_labels(args):
     return labels + [f"local {size}: {args.local_aug}" for size in args.local_crop_sizes]
 
 
-def write_preview(args, dataset, views, device):
-    """--preview-views: the views of 8 images of epoch 0 (a seeded pick), as training makes them."""
-    folder = os.path.dirname(os.path.abspath(args.preview_views))
+def write_preview(args, views, path):
+    """--preview-views: a grid of `views` (a list of views of the same images, as training makes them) to `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"folder {folder} does not exist: pass --preview-views a path in an existing folder")
-    samples = PretrainDataset(dataset, views, args.seed)
-    picked = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
-    batch = collate_views([samples[(0, i)] for i in picked])
-    views = views_to_device(batch if isinstance(batch, dict) else batch[0], device, compile=False,
-                            refetch=samples.decoded)  # one batch of 8: not worth a compile
     grid = views_grid(views, view_labels(args))
-    grid.save(args.preview_views)
-    print(f"=> wrote the views of {len(picked)} images to {args.preview_views} ({grid.size[0]}x{grid.size[1]} px, "
-          f"augment on {args.augment})", flush=True)
+    grid.save(path)
+    print(f"=> wrote the views of {len(views[0])} images to {path} ({grid.size[0]}x{grid.size[1]} px, augment on "
+          f"{args.augment})", flush=True)

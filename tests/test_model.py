@@ -7,14 +7,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sce.builder import SCE, SplitBatchNorm, build_mlp, build_trunk, momentum_at, split_batch_norm
+from sce.builder import MomentumModel, SplitBatchNorm, build_mlp, build_trunk, momentum_at, split_batch_norm
 from sce.optim import cosine_lr, scheduled
 
 
 def small_model(criterion=None, **kw):
     torch.manual_seed(0)
     kw = dict(dict(arch="resnet18", small_input=True, proj_hidden_dims=[32], proj_dim=16, queue_size=12), **kw)
-    return SCE(criterion, **kw)
+    return MomentumModel(criterion, **kw)
 
 
 def views(n=4, count=2, size=8, seed=0):
@@ -200,7 +200,8 @@ def test_batched_split_batch_norm_equals_the_per_chunk_loop(shape, channels_last
     assert out.is_contiguous(memory_format=torch.channels_last) == channels_last  # the layout goes through
     assert torch.allclose(split.running_mean, reference.running_mean, atol=1e-6)
     assert torch.allclose(split.running_var, reference.running_var, atol=1e-6)
-    for a, b in [(x1.grad, x2.grad), (split.weight.grad, reference.weight.grad), (split.bias.grad, reference.bias.grad)]:
+    pairs = [(x1.grad, x2.grad), (split.weight.grad, reference.weight.grad), (split.bias.grad, reference.bias.grad)]
+    for a, b in pairs:
         assert torch.allclose(a, b, atol=1e-4)
 
 

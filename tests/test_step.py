@@ -1,27 +1,25 @@
-"""The training step: the non-finite guard undoes a step exactly (SGD and LARS, mid-training), compile
-keeps the checkpoint keys and the eager step's numbers, the benchmark reports what it promises, and a
-resume says when it cannot restore the CUDA random state."""
+"""The training step (sce.engine): the non-finite guard undoes a step exactly (SGD and LARS, with and without
+GradScaler), the loss runs in fp32 under autocast, compiling keeps the checkpoint keys and the eager step's numbers
+and falls back to the eager step exactly, the CUDA graph gives the eager steps' numbers (on a CPU stand-in for the
+capture), and what compiles when: each module and view once, in the first step."""
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, assert_same_state, fake_compile, write_imagefolder
-from sce import UserError, compiling, device_augment, losses
-from sce.builder import SCE
-from sce.engine import (CompileFallback, Training, check_compile, compile_model, compile_trunk, resolve_compile,
-                        train_step)
-from sce.optim import LARS, build_optimizer, load_optimizer_state
+from conftest import assert_same_state, fake_compile, write_imagefolder
+from sce import UserError, losses
+from sce.builder import MomentumModel
+from sce.engine import (Step, Training, check_compile, compile_model, compile_trunk, lr_as_tensors,
+                        resolve_compile, train_step)
+from sce.compiling import Log
+from sce.optim import build_optimizer, set_lr
 
 
 def make_training(optimizer="sgd", criterion=None):
     torch.manual_seed(0)
-    model = SCE(criterion or functools.partial(losses.sce_loss), "resnet18", True, [32], 16, "affine",
+    model = MomentumModel(criterion or functools.partial(losses.sce_loss), "resnet18", True, [32], 16, "affine",
                 queue_size=16)
     return Training(model, model, build_optimizer(optimizer, model, 0.5, 1e-4))
 
@@ -96,42 +94,10 @@ def test_first_step_skipped_leaves_zero_momentum():
     assert all(not v.any() for s in t.optimizer.state.values() for v in s.values())
 
 
-def test_lars_matches_its_formula_over_two_steps():
-    torch.manual_seed(0)
-    w = torch.randn(3, 4, requires_grad=True)
-    opt = LARS([{"params": [w], "weight_decay": 0.01}], lr=0.5, momentum=0.9, trust_coefficient=1e-3)
-    for p in opt.state:
-        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    expected, buf = w.detach().clone(), torch.zeros(3, 4)
-    for _ in range(2):
-        grad = torch.randn(3, 4)
-        w.grad = grad.clone()
-        d = grad + 0.01 * expected
-        buf = 0.9 * buf + 1e-3 * expected.norm() / d.norm() * d
-        expected = expected - 0.5 * buf
-        opt.step()
-        assert torch.allclose(w.detach(), expected, atol=1e-6)
-
-
-def test_old_optimizer_states_load_into_the_fused_step():
-    t = make_training("lars")
-    train_step(t, views(0), 0.9)
-    state = t.optimizer.state_dict()
-    # as the previous LARS (a plain Optimizer) saved its groups: its own keys only, weight decay among them
-    state["param_groups"] = [{"params": g["params"], "lr": g["lr"], "momentum": g["momentum"],
-                              "weight_decay": g["lars_weight_decay"], "trust_coefficient": g["trust_coefficient"],
-                              "lars_exclude": g["lars_exclude"]} for g in state["param_groups"]]
-    fresh = make_training("lars")
-    load_optimizer_state(fresh.optimizer, state)
-    assert [g["lars_weight_decay"] for g in fresh.optimizer.param_groups] == [1e-4, 0.0]
-    assert all(g["weight_decay"] == 0.0 and g["fused"] for g in fresh.optimizer.param_groups)
-    train_step(fresh, views(1), 0.9)
-
-
 def test_compile_keeps_checkpoint_keys():
     t = make_training()
     keys = list(t.model.state_dict())
-    compile_model(t.model)  # compiles lazily: nothing runs here
+    compile_model(t.model, Log())  # compiles lazily: nothing runs here
     assert list(t.model.state_dict()) == keys
     compiled = [t.model.encoder, t.model.projector, t.model.momentum_encoder, t.model.momentum_projector]
     assert all(m._compiled_call_impl is not None for m in compiled)
@@ -142,38 +108,6 @@ def test_compile_without_a_compiler_is_one_line(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(UserError, match="--compile on CPU needs a C\\+\\+ compiler .*drop --compile"):
         check_compile(torch.device("cpu"))
-
-
-def test_benchmark_reports_every_measurement(tmp_path):
-    cmd = [sys.executable, "benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
-           "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8", "--images", "8",
-           "--steps", "2", "--warmup", "1", "--e2e-workers", "1", "--preload", "--image-size", "20", "--shuffle-bn",
-           "--bn-splits", "2", "--lincls"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    data = {r["augment"]: r for r in lines if r["what"] == "data"}
-    assert set(data) == {"cpu", "gpu", "decode"} and data["cpu"]["device_ms_per_batch"] is None
-    assert all(data[a]["device_ms_per_batch"] > 0 and data[a]["device_ms_per_batch_eager"] > 0 for a in ("gpu", "decode"))
-    assert all(r["loader_images_per_s"] > 0 and r["workers"] == 0 for r in data.values())
-    step = [r for r in lines if r["what"] == "train_step"]
-    assert len(step) == 1 and step[0]["images_per_s"] > 0 and step[0]["step_ms_without_guard"] > 0
-    assert step[0]["host_step_ms"] > 0 and step[0]["criterion_ms"] > 0 and 0 < step[0]["criterion_share"] < 1
-    assert -1 < step[0]["guard_share"] < 1  # the difference of two timings: noise can make it negative
-    ends = {(r["augment"], r["workers"]): r for r in lines if r["what"] == "end_to_end"}
-    # --e2e-workers 1: gpu and decode again with a worker process; --preload: from images kept on the device
-    assert set(ends) == {("cpu", 0), ("gpu", 0), ("decode", 0), ("gpu", 1), ("decode", 1), ("preload", 0)}
-    references = {r["what"]: r for r in lines if r["what"] in ("supervised_reference", "ideal_asymmetric")}
-    assert len(references) == 2 and all(r["images_per_s"] > 0 for r in references.values())
-    assert all(r["of_supervised_reference"] > 0 and r["of_ideal_asymmetric"] > 0 for r in step + list(ends.values()))
-    assert step[0]["bn_splits"] == 2 and "x ideal_asymmetric" in proc.stdout
-    assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in ends.values())
-    assert "| end_to_end | gpu | " in proc.stdout and "workers 1, data wait" in proc.stdout
-    (cached,) = [r for r in lines if r["what"] == "device_pipeline"]
-    assert cached["images_per_s"] > 0 and cached["of_compute_only"] > 0
-    lincls = {r["what"]: r for r in lines if r["what"] in ("forward_reference", "lincls_train", "feature_extraction")}
-    assert len(lincls) == 3 and all(r["images_per_s"] > 0 for r in lincls.values())
-    assert lincls["lincls_train"]["of_forward"] > 0 and lincls["feature_extraction"]["of_forward"] > 0
 
 
 def test_compiled_step_equals_the_eager_step():
@@ -189,14 +123,14 @@ def test_compiled_step_equals_the_eager_step():
 
     def build():
         torch.manual_seed(0)
-        model = SCE(losses.sce_loss, "resnet18", True, [], 16, "none", queue_size=16)
+        model = MomentumModel(losses.sce_loss, "resnet18", True, [], 16, "none", queue_size=16)
         model.encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                                       nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 512))
         model.momentum_encoder = copy.deepcopy(model.encoder).requires_grad_(False)
         return Training(model, model, build_optimizer("sgd", model, 0.5, 1e-4))
     compiled, eager = build(), build()
     start = {k: v.clone() for k, v in eager.model.state_dict().items()}
-    compile_model(compiled.model)
+    compile_model(compiled.model, Log())
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed in range(2):
         loss, finite, _ = train_step(compiled, views(seed), 0.9)
@@ -206,32 +140,6 @@ def test_compiled_step_equals_the_eager_step():
     for key, value in compiled.model.state_dict().items():
         assert torch.allclose(value.float(), after[key].float(), atol=1e-4), key
     assert not torch.allclose(after["encoder.0.weight"], start["encoder.0.weight"])  # and they did move
-
-
-@pytest.mark.parametrize("saved,gpus,note", [
-    (8, 4, "=> note: checkpoint saved the CUDA random state of 8 GPUs, this run has 4: continuing, but not bit-exact"),
-    (8, None, "=> note: checkpoint saved the CUDA random state of 8 GPUs, this run has none: continuing, but not "
-              "bit-exact"),
-    (2, 2, None), (0, None, None)])
-def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatch, capsys, saved, gpus, note):
-    """saved: CUDA random states in the checkpoint (one per GPU); gpus: this run's GPUs (None: no CUDA)."""
-    import argparse
-    from sce import checkpoint
-    from sce.resume import resume, run_state
-    model = torch.nn.Linear(2, 2)
-    optimizer = build_optimizer("sgd", model, 0.1, 0.0)
-    args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4)
-    state = run_state(model, optimizer, None, args, 1, 0, 2)
-    state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8) for _ in range(saved)]
-    checkpoint.save(state, str(tmp_path))
-    restored = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus or 0)
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    assert resume(args, model, optimizer, None, 0) == (1, 0, None)
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> note")]
-    assert notes == ([note] if note else [])
-    assert len(restored) == (saved == gpus)
 
 
 def test_compile_is_on_by_default_only_on_cuda_with_triton(monkeypatch):
@@ -290,14 +198,14 @@ def test_a_failed_compile_falls_back_to_the_eager_step_exactly(monkeypatch, wher
     rng = torch.get_rng_state()
     monkeypatch.setattr(torch.nn.Module, "compile", failing_compile(where))
     t = make_training()
-    compile_model(t.model)
-    step = CompileFallback(functools.partial(train_step, t), t)
+    compile_model(t.model, Log())
+    step = Step(t, compiled=True)
     with pytest.warns(UserWarning) as caught:
         losses_ = [step(views(seed), 0.9)[0] for seed in range(2)]
     assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
         "--compile: torch.compile of the training step failed (Cannot find a working triton installation. Either the "
         "package is not installed or ...): running it eagerly"]
-    assert step.failed.startswith("Cannot find a working triton installation")
+    assert step.compile_failed.startswith("Cannot find a working triton installation") and not step.compiled
     assert all(torch.equal(a, b) for a, b in zip(losses_, expected))
     assert_same_state(t.model.state_dict(), eager.model.state_dict())  # weights, BN statistics, queue
     assert_same_state(*({str(i): s["momentum_buffer"] for i, s in enumerate(o.state.values())}
@@ -306,11 +214,11 @@ def test_a_failed_compile_falls_back_to_the_eager_step_exactly(monkeypatch, wher
     assert all(m._compiled_call_impl is None for m in t.model.modules())
 
 
-def test_an_error_of_the_eager_step_too_is_raised_without_the_compile_warning(recwarn):
-    def step(views, momentum):
+def test_an_error_of_the_eager_step_too_is_raised_without_the_compile_warning(recwarn, monkeypatch):
+    def criterion(q, k, queue):
         raise ValueError("not the compiler's")
     with pytest.raises(ValueError, match="not the compiler's"):
-        CompileFallback(step, make_training())(views(0), 0.9)
+        Step(make_training(criterion=criterion), compiled=True)(views(0), 0.9)
     assert not [w for w in recwarn if "--compile" in str(w.message)]
 
 
@@ -332,6 +240,74 @@ def test_compiled_trunk_keeps_its_keys(monkeypatch):
     assert calls == [trunk]
 
 
+class Replay:
+    """A CPU stand-in for CudaGraphs: 'capture' runs nothing, 'replay' runs the captured function again
+    on the same static inputs (what a CUDA graph does with them). Steps must read every value that
+    changes through those inputs: a Python number captured in the function would stay stale here."""
+
+    def __init__(self, fail=False):
+        self.fail, self.captures = fail, 0
+
+    def eager(self, fn):
+        return fn()
+
+    def capture(self, fn):
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        out = []
+        return lambda: out.append(fn()), lambda: out[-1]
+
+
+def training(lam):
+    torch.manual_seed(0)  # the same weights, and the same shuffle-BN draws
+    model = MomentumModel(functools.partial(losses.sce_loss, lambda_=lam), "resnet18", True, [32], 16, "affine",
+                queue_size=16, shuffle_bn=True, bn_splits=2)
+    return Training(model, model, build_optimizer("sgd", model, 0.5, 1e-4),
+                    terms=functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07))
+
+
+def run_steps(step, t, lam, steps=4):
+    out = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        views = [torch.randn(4, 3, 8, 8, generator=g) for _ in range(2)]
+        set_lr(t.optimizer, 0.5 / (i + 1))
+        lam.fill_(0.2 * i)
+        loss, finite, terms = step(views, 0.9 + 0.02 * i)
+        out.append((loss.clone(), finite.clone(), {k: v.clone() for k, v in terms.items()}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def eager_steps():
+    lam = torch.zeros(())
+    t = training(lam)
+    return run_steps(functools.partial(train_step, t), t, lam), t.model.state_dict()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_graphed_step_gives_the_eager_steps_numbers(eager_steps, fail):
+    lam = torch.zeros(())
+    t = training(lam)
+    lr_as_tensors(t.optimizer, torch.device("cpu"))
+    lrs = [g["lr"] for g in t.optimizer.param_groups]
+    graphs = Replay(fail)
+    step = Step(t, graphs=graphs, warmup=2)  # steps 1-2 eager, step 3 captured then replayed, step 4 replayed
+    if fail:
+        with pytest.warns(UserWarning, match="CUDA graph capture of the training step failed .*running it eagerly"):
+            graphed = run_steps(step, t, lam)
+    else:
+        graphed = run_steps(step, t, lam)
+    assert graphs.captures == 1 and (step.capture_s is None) == fail == (not step.graphed)
+    assert (step.captured_at == 3) != fail
+    assert all(g["lr"] is lr for g, lr in zip(t.optimizer.param_groups, lrs))  # filled in place, read by the graph
+    eager, state = eager_steps
+    for (a, fa, ta), (b, fb, tb) in zip(eager, graphed):
+        assert torch.equal(a, b) and torch.equal(fa, fb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert_same_state(state, t.model.state_dict())
+
+
 # ---------------------------------------------------------------- what compiles, and when
 
 def count_compiles(monkeypatch):
@@ -347,8 +323,6 @@ def count_compiles(monkeypatch):
         return real(fn, *args, **dict(kwargs, backend=backend))
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", compile)
-    monkeypatch.setattr(device_augment, "COMPILED", {})
-    monkeypatch.setattr(compiling, "SECONDS", [])
     return graphs
 
 
@@ -369,34 +343,15 @@ def test_preloaded_recipe_compiles_each_graph_once_in_the_first_step(tmp_path, m
     torch.set_num_threads(1)
     main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "on"), "--epochs", "2", "--compile"]
                        + CIFAR_RECIPE + ["--knn-data", knn, "--knn-every", "2"])
-    names = [name for name, _ in compiling.SECONDS]
-    # the Identity predictor has no graph; the weak and the strong view one each; then the monitor's
-    assert sorted(names[:6]) == ["encoder", "momentum_encoder", "momentum_projector", "pretrain_view",
-                                 "pretrain_view", "projector"]
-    assert names[6:] == ["encoder"] and len(graphs) == 7  # nothing compiled outside them
     out = capsys.readouterr().out
+    # the Identity predictor has no graph; the weak and the strong view one each; then the monitor's
+    first = re.search(r"=> the first step took [\d.]+ s, compiling \(each compile: (.*); the backward", out)[1]
+    assert sorted(re.findall(r"(\w+) [\d.]+ s", first)) == ["encoder", "momentum_encoder", "momentum_projector",
+                                                             "preloaded_view", "preloaded_view", "projector"]
     assert re.search(r"=> the kNN monitor compiled the encoder: encoder [\d.]+ s\n", out)
-    assert re.search(r"=> the first step took [\d.]+ s, compiling \(each compile: pretrain_view [\d.]+ s, "
-                     r"pretrain_view [\d.]+ s, momentum_encoder", out)
-    assert "=> data: preloaded on cpu (0 MiB); views: on cpu, compiled; step: compiled; amp none\n" in out
+    assert len(graphs) == 7  # nothing compiled outside them
+    assert "=> data: preloaded on cpu (0 MiB); views there; step: compiled; amp none\n" in out
     main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "off"), "--epochs", "1", "--no-compile"]
                        + CIFAR_RECIPE)
     assert len(graphs) == 7
-    assert "=> data: preloaded on cpu (0 MiB); views: on cpu; step: eager; amp none\n" in capsys.readouterr().out
-
-
-def test_benchmark_times_no_compile_and_reports_its_rows(tmp_path):
-    """bench_pretrain.py --compile (dynamo's eager backend) on the CIFAR setting: with 1 warm-up step no graph
-    compiles in a timed step (the benchmark stops if one does), and its rows come out."""
-    wrapper = ("import runpy, sys, torch; real = torch.compile; "
-               "torch.compile = lambda fn=None, *a, **k: real(fn, *a, **dict(k, backend='eager')); "
-               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    cmd = [sys.executable, "-c", wrapper, "benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0",
-           "--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8",
-           "--proj-hidden-dims", "16", "--steps", "1", "--warmup", "1", "--preload", "--shuffle-bn", "--bn-splits", "2",
-           "--skip-data", "--compile"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = {json.loads(line)["what"] for line in proc.stdout.splitlines() if line.startswith("{")}
-    assert {"train_step", "end_to_end"} <= rows
+    assert "=> data: preloaded on cpu (0 MiB); views there; step: eager; amp none\n" in capsys.readouterr().out

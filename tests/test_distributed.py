@@ -1,0 +1,344 @@
+"""Several ranks (torchrun, gloo on CPU): two ranks equal one process, two nodes one node of two ranks, the kNN
+monitor shared by ranks equals main_lincls.py --knn in one process; preemption of every rank resumes exactly; a
+rank that raises, dies or hangs stops the job (the raising one named); nodes that disagree stop; a UserError is one
+line, named in torchrun's summary; sync-BN; the linear probe on two processes; the SLURM script parses."""
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, assert_same_state, assert_trained, load, run_script, write_imagefolder
+import main_lincls
+import main_pretrain
+from sce import data as sce_data
+from sce.checkpoint import trunk_state_dict
+from sce.preemption import PREEMPTED_EXIT_CODE
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+EXIT_LIMIT_S = 60  # the bound on how long stopping may take
+pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """32 images: 4 steps of batch 8 per epoch (torchrun runs)."""
+    return write_imagefolder(tmp_path_factory.mktemp("rel") / "data", num_classes=4, per_class=8, size=20,
+                             splits=("",))
+
+
+def processes():
+    """{pid: (parent pid, command line)} of every process we can see (Linux /proc)."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    found[int(name)] = (ppid, f.read().replace(b"\0", b" ").decode(errors="replace"))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def descendants(pid):
+    procs, out, todo = processes(), [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (ppid, _) in procs.items() if ppid == parent]
+        out += kids
+        todo += kids
+    return out
+
+
+class Job:
+    """A torchrun job (2 gloo ranks) whose output is read on a thread, so a test can wait for a line."""
+
+    def __init__(self, script, args, nproc=2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               script] + [str(a) for a in args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.lines = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self):
+        return "".join(self.lines)
+
+    def wait_for(self, text, timeout=180):
+        deadline = time.time() + timeout
+        while not any(text in line for line in list(self.lines)):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"'{text}' never appeared\n{self.output[-4000:]}")
+            time.sleep(0.01)
+
+    def ranks(self):
+        """{rank: pid} of the workers torchrun started (each runs in its own session)."""
+        found = {}
+        for pid, (ppid, _) in processes().items():
+            if ppid == self.proc.pid:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                found[int(env[b"RANK"])] = pid
+        return found
+
+    def wait(self, timeout=300):
+        """Exit code and seconds taken."""
+        start = time.time()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not exit within {timeout} s\n{self.output[-4000:]}")
+        self.reader.join(10)
+        return code, time.time() - start
+
+    def kill(self):
+        for pid in [self.proc.pid] + descendants(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def jobs():
+    """Start torchrun jobs; any left running by a failing test are killed."""
+    started = []
+
+    def start(script, args):
+        started.append(Job(script, args))
+        return started[-1]
+    yield start
+    for job in started:
+        if job.proc.poll() is None:
+            job.kill()
+
+
+def test_two_gloo_ranks_equal_one_process(small, tmp_path):
+    # both at once: the single process overlaps torchrun's start-up and rendezvous
+    with ThreadPoolExecutor(1) as pool:  # the single process splits BN in 2 chunks
+        single = pool.submit(run_script, ["tests/dist_equivalence.py", small, str(tmp_path / "one.pth")])
+        run_script(["torchrun", "--nproc_per_node=2", "tests/dist_equivalence.py", small, str(tmp_path / "two.pth")])
+        single.result()
+    two, one = load(tmp_path / "two.pth"), load(tmp_path / "one.pth")
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-6)  # float64 (dist_equivalence.py)
+    weights, queue = one["model"], one["model"]["queue"]
+    assert torch.equal(two["model"]["queue_ptr"], weights["queue_ptr"])
+    assert int(weights["queue_ptr"]) == 16  # 2 steps x 8 keys, M=24
+    assert not torch.allclose(queue[:8], queue[8:16])  # steps enqueued different keys
+    # BN running statistics are rank-local: rank 0's follow its own chunk, the split BN's the mean of
+    # both chunks, so the mean over ranks is what compares
+    running = two["bn_mean_over_ranks"]
+    assert not torch.allclose(two["model"]["encoder.bn1.running_var"], weights["encoder.bn1.running_var"], atol=1e-4)
+    for key in weights:
+        assert torch.allclose(running.get(key, two["model"][key]), weights[key], atol=1e-6), key
+
+
+def test_preemption_two_ranks_resumes_exactly(data, tmp_path, jobs):
+    # device-side augmentation (on CPU tensors here): its parameters come from the same per-sample stream
+    common = ["--data", data, "--epochs", "2", "--augment", "gpu"] + TINY
+    ref = jobs("main_pretrain.py", common + ["--output-dir", tmp_path / "ref"])  # the reference, alongside
+    out = tmp_path / "pre"
+    last = out / "checkpoint_last.pth"
+
+    # SLURM signals every process of the step: SIGTERM to both ranks in the middle of epoch 1
+    job = jobs("main_pretrain.py", common + ["--output-dir", out])
+    job.wait_for("Epoch [1/2][1/4]")
+    ranks = job.ranks()
+    assert sorted(ranks) == [0, 1]
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGTERM)
+    code, took = job.wait()
+    assert took < EXIT_LIMIT_S and code != 0
+    assert "=> preempted: saved epoch 0 step" in job.output
+    # torchrun exits 1; its summary shows both ranks' own code, the distinct PREEMPTED_EXIT_CODE
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", job.output)
+    assert codes == [str(PREEMPTED_EXIT_CODE)] * 2, job.output[-3000:]
+    ckpt = load(last)
+    assert ckpt["epoch"] == 0 and 0 < ckpt["step_in_epoch"] < 4 and ckpt["step"] == ckpt["step_in_epoch"]
+    assert {"torch", "python"} <= set(ckpt["rng"]) and "queue" in ckpt["model"] and ckpt["optimizer"]["state"]
+
+    # the same command (--resume auto) continues from that step to the end
+    job = jobs("main_pretrain.py", common + ["--output-dir", out])
+    code, _ = job.wait()
+    assert code == 0, job.output[-3000:]
+    assert f"=> resuming from {last}: epoch 0, step {ckpt['step_in_epoch']}" in job.output
+    code, _ = ref.wait()
+    assert code == 0, ref.output[-3000:]
+    a, b = load(tmp_path / "ref" / "checkpoint_last.pth"), load(last)
+    assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 8
+    assert_same_state(a["model"], b["model"])  # weights, BN buffers, queue, queue_ptr: bit for bit
+    assert int(b["model"]["queue_ptr"]) == 0 and b["model"]["encoder.bn1.running_mean"].abs().sum() > 0
+    assert_trained(tmp_path / "ref")
+    assert_trained(out)  # its log.txt: the epochs of two invocations
+
+
+def first_image_of(rank, root, world=2, batch=8):
+    """An image that only `rank` reads in the first step."""
+    ds = sce_data.build_dataset("imagefolder", root, "pretrain")
+    slices = []
+    for r in range(world):
+        sampler = sce_data.ResumableSampler(len(ds), batch, r, world, seed=0)
+        slices.append([i for _, i in list(sampler)[:batch // world]])
+    return ds.path(slices[rank][0])
+
+
+def test_rank_that_raises_stops_the_job_and_is_named(tmp_path, jobs):
+    root = write_imagefolder(tmp_path / "data", num_classes=3, per_class=8, size=20, splits=("",))
+    with open(first_image_of(1, root), "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n garbage")
+    job = jobs("main_pretrain.py", ["--data", root, "--epochs", 1, "--output-dir", tmp_path / "o",
+                                    "--max-bad-images", 0] + TINY)
+    code, took = job.wait()
+    assert code != 0 and took < EXIT_LIMIT_S
+    # torchrun's summary names the rank that failed first and its one-line reason (torch's error file)
+    root = job.output.split("Root Cause")[-1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), job.output[-3000:]
+    assert re.search(r"traceback\s*:\s*error: 1 unreadable images, more than --max-bad-images 0", root)
+    assert "raise UserError" not in job.output  # one line, no traceback of the UserError anywhere
+
+
+def test_killed_rank_stops_the_job(data, tmp_path, jobs):
+    job = jobs("main_pretrain.py", ["--data", data, "--epochs", 2, "--output-dir", tmp_path] + TINY)
+    job.wait_for("Epoch [1/2][2/4]")
+    os.kill(job.ranks()[1], signal.SIGKILL)
+    code, took = job.wait()
+    assert code != 0 and took < EXIT_LIMIT_S
+    # torchrun's summary names the killed rank
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", job.output), job.output[-3000:]
+
+
+HANG = '''import os, runpy, signal, sys, time
+sys.path.insert(0, {repo!r})
+from sce.builder import MomentumModel
+update, calls = MomentumModel.update_momentum, [0]
+def hang(self, *args):  # rank 1 stops responding after its step-2 gradients were averaged
+    calls[0] += 1
+    if os.environ["RANK"] == "1" and calls[0] == 2:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends it: no 30 s wait for its SIGKILL
+        time.sleep(3600)
+    return update(self, *args)
+MomentumModel.update_momentum = hang
+sys.argv[0] = os.path.join({repo!r}, "main_pretrain.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_hung_rank_times_out(data, tmp_path, jobs):
+    # rank 0 next waits in the preemption all-reduce: its group must honour --dist-timeout too
+    driver = tmp_path / "hang.py"
+    driver.write_text(HANG.format(repo=REPO))
+    job = jobs(str(driver), ["--data", data, "--epochs", 1, "--output-dir", tmp_path / "o",
+                             "--dist-timeout", 5] + TINY)
+    code, took = job.wait(timeout=150)
+    # 5 s timeout on rank 0, then torchrun stops the hung rank
+    assert code != 0 and took < EXIT_LIMIT_S, (took, job.output[-3000:])
+    assert "Timed out" in job.output or "timeout" in job.output.lower()
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    root = write_imagefolder(tmp_path_factory.mktemp("scale") / "data", num_classes=3, per_class=8, size=20)
+    for i in range(3):  # a few wrong val labels, so that kNN accuracy is not trivially 100%
+        os.replace(os.path.join(root, "val", f"class_{i}", "0.png"),
+                   os.path.join(root, "val", f"class_{(i + 1) % 3}", "moved.png"))
+    return root
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(args, timeout=240):
+    """The same command on two torchrun 'nodes' of one rank each, c10d rendezvous on 127.0.0.1."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "--rdzv-id", "sce-test", "--max-restarts", "0"]
+                              + [str(a) for a in node_args], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for node, node_args in enumerate(args)]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outputs
+
+
+def test_two_nodes_equal_one_node_of_two_ranks_and_the_monitor_one_process(labelled, tmp_path):
+    """The same run on two 'nodes' of one rank and on one node of two ranks: the same weights; its kNN monitor
+    (every rank its share) gives main_lincls.py --knn's number in one process; one process resumes it."""
+    common = ["main_pretrain.py", "--data", labelled, "--epochs", "1", "--knn-data", labelled, "--knn-k", "5"] + TINY
+    with ThreadPoolExecutor(1) as pool:  # both at once: each one's start-up overlaps the other's
+        one_node = pool.submit(run_script, ["torchrun", "--standalone", "--nproc_per_node=2"] + common
+                               + ["--output-dir", str(tmp_path / "one")])
+        codes, outputs = two_nodes([common + ["--output-dir", tmp_path / "nodes"]] * 2)
+        proc = one_node.result()
+    assert codes == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert "on 2 rank(s)" in proc.stdout
+    a, b = load(tmp_path / "nodes" / "checkpoint_last.pth"), load(tmp_path / "one" / "checkpoint_last.pth")
+    assert a["step"] == b["step"] == 3
+    assert_same_state(a["model"], b["model"])
+    assert_trained(tmp_path / "nodes")
+    monitor = json.loads(open(tmp_path / "one" / "log.txt").read().splitlines()[-1])
+    main_lincls.main(["--data", labelled, "--pretrained", str(tmp_path / "one" / "checkpoint_last.pth"), "--knn",
+                      "--knn-k", "5", "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path / "knn")])
+    single = json.load(open(tmp_path / "knn" / "results_knn.json"))
+    assert 0 < monitor["knn_top1"] < 100
+    assert monitor["knn_top1"] == pytest.approx(single["acc1"]) and monitor["knn_top5"] == pytest.approx(single["acc5"])
+    main_pretrain.main(common[1:] + ["--epochs", "2", "--output-dir", str(tmp_path / "one")])  # one process resumes it
+    assert load(tmp_path / "one" / "checkpoint_last.pth")["epoch"] == 2
+
+
+def test_nodes_that_disagree_stop(labelled, tmp_path):
+    common = ["main_pretrain.py", "--data", labelled, "--epochs", "1", "--output-dir", tmp_path / "o"] + TINY
+    codes, outputs = two_nodes([common, common + ["--batch-size", "4", "--queue-size", "32"]])
+    assert codes[0] != 0 and codes[1] != 0
+    assert any("ranks disagree on --batch-size (rank 0: " in o for o in outputs), outputs[0][-2000:]
+    assert all("Traceback" not in o.split("error: ranks disagree")[0] for o in outputs)
+
+
+def test_slurm_script_is_valid_and_its_command_parses():
+    path = os.path.join(REPO, "slurm", "pretrain.sbatch")
+    subprocess.run(["bash", "-n", path], check=True)
+    text = open(path).read()
+    assert re.search(r"^#SBATCH --signal=B:USR1@\d+", text, re.M) and "#SBATCH --requeue" in text
+    assert "scontrol requeue" in text and "srun" in text and "--rdzv-endpoint" in text
+    variables = dict(re.findall(r'^(\w+)="?([^"\n]*)"?$', text, re.M))
+    flags = variables["FLAGS"]
+    for name, value in variables.items():
+        flags = flags.replace(f"${name}", value)
+    args = main_pretrain.parse_args(shlex.split(flags))
+    assert args.batch_size == 4096 and args.optimizer == "lars" and args.sync_bn and args.symmetric
+    assert args.queue_size % (2 * args.batch_size) == 0
+
+
+def same_trunk(a, b):
+    sa, sb = trunk_state_dict(load(a)), trunk_state_dict(load(b))
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_torchrun_two_processes(pretrained, labelled, tmp_path):
+    proc = run_script(["torchrun", "--standalone", "--nproc_per_node", "2", "main_lincls.py", "--data", labelled,
+                       "--pretrained", pretrained, "--crop-size", "16", "--epochs", "1", "--batch-size", "8",
+                       "--workers", "0", "--output-dir", str(tmp_path)])
+    assert proc.stdout.count("Epoch 1/1:") == 1  # only rank 0 reports
+    assert load(str(tmp_path / "checkpoint_last.pth"))["epoch"] == 1
+    assert same_trunk(pretrained, str(tmp_path / "checkpoint_last.pth"))
+
+
+def test_sync_bn_model_on_two_gloo_ranks():
+    proc = run_script(["torchrun", "--standalone", "--nproc_per_node=2", "tests/sync_bn_check.py"], timeout=120)
+    assert "sync-bn check ok" in proc.stdout

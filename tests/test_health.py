@@ -1,0 +1,214 @@
+"""Training health (docs/health.md): a non-finite step changes nothing and is counted, too many stop the run naming
+the likely cause, an epoch skipped by fp16's GradScaler goes on; a failed compile trains eagerly with one warning
+(the kNN monitor's too); a crash with loader workers exits at once, leaving no process behind."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, assert_trained, fake_compile, load, nan_losses, no_triton, pretrain, write_imagefolder
+import main_pretrain
+from sce import UserError, checkpoint
+from sce.builder import MomentumModel
+
+pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
+
+
+@pytest.fixture
+def models(monkeypatch):
+    """The models main_pretrain builds, to inspect them after a run stops."""
+    built = []
+
+    class Recorded(MomentumModel):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            built.append(self)
+    monkeypatch.setattr(main_pretrain, "MomentumModel", Recorded)
+    return built
+
+
+def all_finite(state):
+    return all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_persistent_nan_stops_naming_lr_and_keeps_last_good_checkpoint(small, tmp_path, monkeypatch, models):
+    # NaN from step 2 on, 2 steps per epoch: the count of consecutive non-finite steps must carry
+    # over epoch boundaries, or a run with --max-nonfinite-steps >= steps per epoch never stops
+    monkeypatch.setattr(main_pretrain.losses, "criterion", nan_losses(range(2, 100)))
+    with pytest.raises(UserError) as err:
+        pretrain(small, tmp_path, "--epochs", 4, "--max-nonfinite-steps", 2)
+    message = str(err.value)
+    assert "3 consecutive non-finite losses at step 3" in message and "lr (" in message
+    assert "likely too high" in message and "last good checkpoint is kept" in message and "\n" not in message
+    assert all_finite(models[0].state_dict())  # the skipped steps left the online and momentum weights finite
+    ckpt = checkpoint.load(str(tmp_path / "checkpoint_last.pth"))
+    assert ckpt["epoch"] == 1 and all_finite(ckpt["model"])
+
+
+def test_transient_nan_is_skipped_and_counted(small, tmp_path, monkeypatch, models, capsys):
+    monkeypatch.setattr(main_pretrain.losses, "criterion", nan_losses({2}))
+    pretrain(small, tmp_path, "--epochs", 2, "--max-nonfinite-steps", 1)
+    ckpt = load(tmp_path / "checkpoint_last.pth")
+    assert ckpt["epoch"] == 2 and all_finite(ckpt["model"]) and all_finite(models[0].state_dict())
+    lines = re.findall(r"\] loss (\S+) .* skipped (\d+) eta", capsys.readouterr().out)  # --print-freq 1
+    assert [skipped for _, skipped in lines] == ["0", "1", "0", "0"]
+    assert lines[1][0] == "nan" and all(float(loss) > 0 for loss, _ in lines[::2])  # no finite step: NaN, not 0
+    epochs = [json.loads(line) for line in open(tmp_path / "log.txt")]
+    assert [e["skipped_steps"] for e in epochs] == [1, 0] and all(e["loss"] > 0 for e in epochs)
+
+
+def test_an_epoch_of_non_finite_steps_changes_nothing_and_stops(small, tmp_path, monkeypatch, models, capsys):
+    # every loss NaN: the steps are undone exactly, so weights and BN statistics of both branches
+    # stay those of initialisation and the optimizer's buffers stay zero; the run stops after the
+    # epoch, whatever --max-nonfinite-steps says, and writes no checkpoint of it
+    monkeypatch.setattr(main_pretrain.losses, "criterion", nan_losses(range(1, 100)))
+    initial, optimizers = {}, []
+    real_init = main_pretrain.build_optimizer
+
+    def record(name, model, *a, **k):
+        initial.update({n: t.detach().clone() for n, t in model.state_dict().items()})
+        optimizers.append(real_init(name, model, *a, **k))
+        return optimizers[-1]
+    monkeypatch.setattr(main_pretrain, "build_optimizer", record)
+    with pytest.raises(UserError) as err:
+        pretrain(small, tmp_path, "--epochs", 2, "--max-nonfinite-steps", 100)
+    message = str(err.value)
+    assert "every step of epoch 1 (2 steps) had a non-finite loss and was skipped" in message and "\n" not in message
+    assert "likely too high" in message and "last good checkpoint is kept" in message
+    assert not (tmp_path / "checkpoint_last.pth").exists()
+    assert re.findall(r"\] loss (\S+) .* skipped (\d+) eta", capsys.readouterr().out) == [("nan", "1")] * 2
+    for name, value in models[0].state_dict().items():
+        if name not in ("queue", "queue_ptr") and not name.endswith("num_batches_tracked"):
+            assert torch.equal(value, initial[name]), name
+    buffers = [v for state in optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)]
+    assert buffers and all(not b.any() for b in buffers)
+
+
+class OverflowingGradient(torch.autograd.Function):
+    """Identity forward, infinite gradient: a finite loss whose gradients overflow, as fp16's can."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("amp", ["none", "fp16"])
+def test_an_epoch_skipped_by_gradscaler_goes_on(small, tmp_path, monkeypatch, amp):
+    # every step's gradients overflow while its loss is finite: with fp16's GradScaler that is the scaler
+    # lowering its scale, left to --max-nonfinite-steps; without one, the epoch stops the run
+    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", None)  # the scaler, without CPU fp16 / bf16 slowness
+    real = main_pretrain.losses.criterion
+    monkeypatch.setattr(main_pretrain.losses, "criterion", lambda *a: lambda q, *r, **k: real(*a)(
+        OverflowingGradient.apply(q), *r, **k))
+    if amp == "none":
+        with pytest.raises(UserError, match="every step of epoch 1"):
+            pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100)
+    else:
+        pretrain(small, tmp_path, "--epochs", 1, "--max-nonfinite-steps", 100, "--amp", "fp16")
+        ckpt = load(tmp_path / "checkpoint_last.pth")
+        assert ckpt["epoch"] == 1 and ckpt["scaler"]["scale"] < 65536  # the scaler lowered its scale at each skip
+        assert json.loads(open(tmp_path / "log.txt").read())["skipped_steps"] == 2  # both steps, as overflows
+
+
+def test_a_failed_compile_trains_eagerly_with_one_warning(small, tmp_path, monkeypatch, capsys):
+    """--compile where the compiler fails at the first call (Inductor without Triton, say): one warning
+    naming the cause, the progress says so, and the run trains and saves its usual checkpoint."""
+    fake_compile(monkeypatch, no_triton)
+    with pytest.warns(UserWarning) as caught:
+        pretrain(small, tmp_path, "--epochs", 1, "--compile")
+    assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
+        "--compile: torch.compile of the training step failed (Cannot find a working triton installation): "
+        "running it eagerly"]
+    assert "=> compiling failed (Cannot find a working triton installation): eager steps" in capsys.readouterr().out
+    assert_trained(tmp_path)
+    ckpt = load(tmp_path / "checkpoint_last.pth")
+    assert ckpt["args"]["compile"] is True and not [k for k in ckpt["model"] if "_orig_mod" in k]
+
+
+def test_a_failed_compile_of_the_knn_monitor_runs_it_eagerly(small, tmp_path, monkeypatch):
+    """The compiled encoder compiles again for the kNN monitor (eval mode): a failure there only costs
+    one warning; the monitor runs eagerly and the run goes on."""
+    def failing_in_eval(module, *args, **kwargs):
+        if not module.training:
+            raise RuntimeError("Triton Error: out of resources")
+        return module._call_impl(*args, **kwargs)
+    fake_compile(monkeypatch, failing_in_eval)
+    knn = write_imagefolder(tmp_path / "knn", num_classes=2, per_class=4, size=20)
+    with pytest.warns(UserWarning, match=r"the kNN monitor's compile failed \(Triton Error: out of resources\)"):
+        pretrain(small, tmp_path / "out", "--epochs", 1, "--compile", "--knn-data", knn, "--knn-k", "3")
+    assert "knn_top1" in json.loads(open(tmp_path / "out" / "log.txt").read().splitlines()[-1])
+
+
+CRASH = """
+import multiprocessing, os, signal, sys, torch
+sys.path.insert(0, os.getcwd())
+import main_pretrain
+from sce import cli
+where, sys.argv = sys.argv[1], ["main_pretrain.py"] + sys.argv[2:]
+
+def fail(*args, **kwargs):
+    print("FAILING workers", *[p.pid for p in multiprocessing.active_children()], flush=True)
+    if where == "preempted":
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return real_loss(*args, **kwargs)
+    raise RuntimeError("unexpected pos") if where == "checkpoint" else RuntimeError("injected failure")
+
+if where in ("training", "preempted"):
+    real = main_pretrain.losses.criterion
+    def build(*a):
+        global real_loss
+        real_loss = real(*a)
+        return fail
+    main_pretrain.losses.criterion = build
+elif where == "knn":
+    main_pretrain.knn.Monitor.__call__ = lambda self, model: fail()
+elif where == "checkpoint":
+    torch.save = fail
+cli.run(main_pretrain.main)
+"""
+
+
+@pytest.mark.parametrize("where,code", [("training", 1), ("knn", 1), ("checkpoint", 1), ("preempted", 75)])
+def test_a_crash_with_loader_workers_exits_at_once(small, tmp_path, where, code):
+    args = ["--data", small, "--output-dir", tmp_path / "out", "--epochs", "2",
+            "--knn-data", write_imagefolder(tmp_path / "knn", 2, 2, 20), "--knn-max-train", "4"
+            ] + TINY + ["--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", CRASH, where] + [str(a) for a in args], cwd=REPO,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, failed = [], []
+    reader = threading.Thread(target=lambda: [(lines.append(line), line.startswith("FAILING") and failed.append(
+        (time.time(), [int(p) for p in line.split()[2:]]))) for line in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 240
+        while not failed and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert failed, "".join(lines)[-3000:]
+        failed_at, workers = failed[0]
+        assert workers, "the loader had no worker processes"
+        returncode = proc.wait(failed_at + 30 - time.time())
+    except subprocess.TimeoutExpired:
+        returncode = None
+    finally:
+        left = [pid for pid in [proc.pid] + (failed[0][1] if failed else []) if checkpoint.alive(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    reader.join(10)
+    output = "".join(lines)
+    assert returncode == code, f"exit {returncode} (None: still running 30 s after the failure)\n{output[-3000:]}"
+    assert not left, f"processes left running: {left}"
+    if where == "checkpoint":
+        assert "error: could not write checkpoint" in output and "Traceback" not in output

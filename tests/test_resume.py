@@ -1,0 +1,309 @@
+"""Stopping and resuming pretraining: a stop signal saves the exact position and the resumed run ends with the
+uninterrupted one's weights, checkpoints survive a kill or a full disk mid-write, numbered ones are kept as asked,
+a checkpoint runs no code when loaded, and resumes that would not be exact or would overwrite another run are
+refused in one line. (Several ranks: test_distributed.py; every data route: test_data_routes.py.)"""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, assert_same_state, assert_trained, load, pretrain, sends_signal_at, write_imagefolder
+import main_pretrain
+from sce import UserError, checkpoint
+from sce.optim import build_optimizer
+from sce.preemption import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def test_resume_equals_uninterrupted_run(small, tmp_path, capsys):
+    # a lambda schedule (warmup then cosine) is a function of the step: it resumes with the run
+    lam = ["--lambda-schedule", "cosine", "--lambda-end", "0.9", "--lambda-warmup-steps", "2",
+           "--lambda-warmup-start", "0.1"]
+    pretrain(small, tmp_path / "a", "--epochs", 2, *lam)
+    capsys.readouterr()
+    pretrain(small, tmp_path / "b", "--epochs", 2, "--stop-after-epochs", 1, *lam)
+    first = capsys.readouterr().out
+    assert "stopping after 1 epoch" in first
+    assert load(tmp_path / "b" / "checkpoint_last.pth")["epoch"] == 1
+    pretrain(small, tmp_path / "b", "--epochs", 2, *lam)
+    assert "resuming from" in capsys.readouterr().out
+    a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
+    assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
+    assert_same_state(a["model"], b["model"])
+    assert_trained(tmp_path / "a")
+    assert int(a["model"]["queue_ptr"]) == 0  # 4 steps x 8 keys wrap a 32-key queue
+    assert os.path.exists(tmp_path / "a" / "checkpoint_0002.pth")  # last epoch always numbered
+    # progress line and TensorBoard scalars
+    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ \d+\.\d img/s data \d+% skipped 0 eta \d+:\d\d:\d\d", first)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "a")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/momentum", "train/images_per_s", "train/data_wait_share",
+            "train/lambda", "train/skipped_steps", "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
+    lambdas = [e.value for e in events.Scalars("train/lambda")]  # steps 0-3: warmup 0.1, 0.5, then cosine to 0.9
+    assert lambdas == pytest.approx([0.1, 0.3, 0.5, 0.9])
+    assert "views" in events.Tags()["images"]  # the augmented views, at the start of the run
+    # the resolved settings and one JSON line per epoch, also across the resume
+    assert json.load(open(tmp_path / "b" / "args.json"))["lambda_schedule"] == "cosine"
+    for run in "ab":
+        epochs = [json.loads(line) for line in open(tmp_path / run / "log.txt")]
+        assert [e["epoch"] for e in epochs] == [1, 2]
+        assert {"loss", "infonce", "ressl", "ceil", "lr", "momentum", "lambda", "images_per_s",
+                "skipped_steps"} <= epochs[0].keys()
+    assert open(tmp_path / "a" / "log.txt").read().count("loss") == 2
+
+
+# shuffle-BN draws from the global RNG; --amp fp16 saves and resumes a GradScaler
+@pytest.mark.parametrize("extra", [[], ["--shuffle-bn", "--bn-splits", "2", "--amp", "fp16"]])
+def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatch, extra):
+    # fp16's GradScaler without its autocast: CPU fp16 convolutions have no fast kernel here (11 s a step, not
+    # 0.2) and bf16 ones are ~10x slower than fp32; the scaler's state is what a resume must carry
+    monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", None)
+    pretrain(small, tmp_path / "ref", "--epochs", 2, *extra)
+    with monkeypatch.context() as m:
+        m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
+        with pytest.raises(SystemExit) as stop:
+            pretrain(small, tmp_path / "run", "--epochs", 2, *extra)
+    assert stop.value.code == PREEMPTED_EXIT_CODE
+    ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (1, 1, 3)
+    assert (ckpt["scaler"] is not None) == ("fp16" in extra)
+    pretrain(small, tmp_path / "run", "--epochs", 2, *extra)
+    a, b = load(tmp_path / "ref" / "checkpoint_last.pth"), load(tmp_path / "run" / "checkpoint_last.pth")
+    assert a["step"] == b["step"] == 4 and int(b["model"]["queue_ptr"]) == 0
+    assert_same_state(a["model"], b["model"])
+    assert_same_state(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
+    assert a["scaler"] == b["scaler"]  # scale and growth tracker: the resumed scaler counted every step
+
+
+def test_stop_requests_are_checked_every_print_freq_steps(small, tmp_path, monkeypatch):
+    # --print-freq 2 with 2 steps an epoch: no check after step 1 of the epoch, so the run saves at its end
+    with monkeypatch.context() as m:
+        m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
+        with pytest.raises(SystemExit) as stop:
+            pretrain(small, tmp_path / "run", "--epochs", 3, "--print-freq", 2)
+    assert stop.value.code == PREEMPTED_EXIT_CODE
+    ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (2, 0, 4)
+    assert_trained(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def stopped(small, tmp_path_factory):
+    """A run preempted at step 1 of its 2-step epoch 0: OUT/checkpoint_last.pth and args.json."""
+    out = tmp_path_factory.mktemp("hostile") / "stopped"
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, 1))
+        with pytest.raises(SystemExit):
+            pretrain(small, out)
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+    assert load(out / "checkpoint_last.pth")["step_in_epoch"] == 1
+    return out
+
+
+def copy_run(stopped, to):
+    shutil.copytree(stopped, to)
+    return to
+
+
+def test_resume_into_a_folder_holding_another_run_is_refused(small, stopped, tmp_path):
+    other, out = copy_run(stopped, tmp_path / "other"), copy_run(stopped, tmp_path / "out")
+    (out / "checkpoint_last.pth").write_bytes(b"another run's checkpoint")  # not read: only kept
+    before = (out / "checkpoint_last.pth").read_bytes()
+    with pytest.raises(UserError, match="would overwrite") as err:
+        pretrain(small, out, "--resume", other / "checkpoint_last.pth")
+    assert "\n" not in str(err.value) and (out / "checkpoint_last.pth").read_bytes() == before
+    pretrain(small, other, "--resume", other / "checkpoint_last.pth")  # its own checkpoint, named: fine
+    assert load(other / "checkpoint_last.pth")["epoch"] == 1
+    pretrain(small, tmp_path / "fresh", "--resume", stopped / "checkpoint_last.pth")  # a new folder: fine
+    assert load(tmp_path / "fresh" / "checkpoint_last.pth")["epoch"] == 1
+
+
+def test_a_refused_resume_leaves_args_json_alone(small, stopped, tmp_path):
+    out = copy_run(stopped, tmp_path / "out")
+    before = (out / "args.json").read_text()
+    with pytest.raises(UserError, match="--arch resnet18"):
+        pretrain(small, out, "--arch", "resnet34")
+    with pytest.raises(UserError, match="would overwrite"):
+        pretrain(small, out, "--resume", "none")
+    assert (out / "args.json").read_text() == before
+
+
+def test_a_mid_epoch_resume_with_another_seed_or_dataset_is_refused(small, stopped, tmp_path):
+    out = copy_run(stopped, tmp_path / "out")
+    eight = write_imagefolder(tmp_path / "eight", num_classes=2, per_class=4, size=20, splits=("",))  # 1 step
+    with pytest.raises(UserError, match="mid-epoch with --seed 0") as err:
+        pretrain(small, out, "--seed", "1")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="mid-epoch on 16 images") as err:
+        pretrain(eight, out)
+    assert "\n" not in str(err.value)
+    other = write_imagefolder(tmp_path / "other", num_classes=2, per_class=8, size=20, splits=("",))
+    os.rename(os.path.join(other, "class_1"), os.path.join(other, "class_b"))
+    with pytest.raises(UserError, match=r"mid-epoch on other data \(other files, labels or pixels\)") as err:
+        pretrain(other, out)  # 16 images too: the same size, other files
+    assert "\n" not in str(err.value)
+    older = load(out / "checkpoint_last.pth")  # a checkpoint from before the dataset size was recorded
+    older.pop("num_images", None)
+    older.pop("data_id", None)
+    torch.save(older, out / "checkpoint_last.pth")
+    with pytest.raises(UserError, match="step 1 of epoch 1, which now has 1 step"):
+        pretrain(eight, out)
+
+
+def test_epochs_below_the_checkpoint_is_an_error_and_equal_is_complete(small, stopped, tmp_path, capsys):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    done = load(stopped / "checkpoint_last.pth")
+    done.update(epoch=2, step=4, step_in_epoch=0)  # a finished 2-epoch run
+    torch.save(done, out / "checkpoint_last.pth")
+    before = (out / "checkpoint_last.pth").read_bytes()
+    with pytest.raises(UserError, match="is at epoch 2, --epochs 1 is below it") as err:
+        pretrain(small, out, "--epochs", 1)
+    assert "\n" not in str(err.value)
+    capsys.readouterr()
+    pretrain(small, out, "--epochs", 2)
+    assert "already complete" in capsys.readouterr().out
+    assert (out / "checkpoint_last.pth").read_bytes() == before and not (out / "log.txt").exists()
+
+
+@pytest.mark.parametrize("saved,gpus,note", [
+    (8, 4, "=> note: checkpoint saved the CUDA random state of 8 GPUs, this run has 4: continuing, but not bit-exact"),
+    (8, None, "=> note: checkpoint saved the CUDA random state of 8 GPUs, this run has none: continuing, but not "
+              "bit-exact"),
+    (2, 2, None), (0, None, None)])
+def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatch, capsys, saved, gpus, note):
+    """saved: CUDA random states in the checkpoint (one per GPU); gpus: this run's GPUs (None: no CUDA)."""
+    import argparse
+    from sce import checkpoint
+    from sce.resume import resume, run_state
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer("sgd", model, 0.1, 0.0)
+    args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4, epochs=2)
+    state = run_state(model, optimizer, None, args, 1, 0, 2)
+    state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8) for _ in range(saved)]
+    checkpoint.save(state, str(tmp_path))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus or 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    assert resume(args, model, optimizer, None, 0) == (1, 0, None)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> note")]
+    assert notes == ([note] if note else [])
+    assert len(restored) == (saved == gpus)
+
+
+def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
+    path = tmp_path / "checkpoint_last.pth"
+    good = {"kind": "pretrain", "epoch": 3, "w": torch.arange(1000.0)}
+    checkpoint.save_atomic(good, str(path))
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from sce import checkpoint; "
+            "checkpoint.save_atomic({'w': torch.ones(50_000_000)}, sys.argv[2])")  # 200 MB
+    proc = subprocess.Popen([sys.executable, "-c", code, REPO, str(path)], env=ENV)
+    tmp = tmp_path / f".checkpoint_last.pth.tmp{proc.pid}"
+    deadline = time.time() + 120
+    while not (tmp.exists() and tmp.stat().st_size > 0):
+        assert proc.poll() is None and time.time() < deadline, "the writer never started its temporary file"
+        time.sleep(0.001)
+    proc.kill()
+    proc.wait()
+    assert tmp.exists() and tmp.stat().st_size < 200_000_000  # killed in the middle of the write
+    ckpt = checkpoint.load(str(path))
+    assert ckpt.keys() == good.keys() and ckpt["epoch"] == 3 and torch.equal(ckpt["w"], good["w"])
+    checkpoint.save_atomic({"epoch": 4}, str(path))  # the next write also removes the dead writer's leftover
+    assert checkpoint.load(str(path)) == {"epoch": 4} and not tmp.exists()
+
+
+def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    pretrain(small, out, "--epochs", 1)
+    assert_trained(out)
+    last = out / "checkpoint_last.pth"
+    before = last.read_bytes()
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        f.write(b"PK\x03\x04 partial")  # a few bytes land, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(UserError) as err:
+        pretrain(small, out, "--epochs", 2)
+    message = str(err.value)
+    assert "\n" not in message and f"could not write checkpoint {last}" in message
+    assert "No space left on device" in message and "the previous checkpoint is kept" in message
+    monkeypatch.setattr(torch, "save", real_save)
+    assert last.read_bytes() == before and checkpoint.load(str(last))["epoch"] == 1
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+def test_a_checkpoint_write_failing_otherwise_than_oserror_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint_last.pth"
+    checkpoint.save_atomic({"epoch": 1}, str(path))
+
+    def full_disk(obj, f, *a, **k):  # what torch.save raises when the disk fills under it
+        f.write(b"PK\x03\x04 partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                           "data/12: file write failed\nunexpected pos 22347392 vs 22347280")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(UserError) as err:
+        checkpoint.save_atomic({"epoch": 2}, str(path))
+    message = str(err.value)
+    assert "\n" not in message and f"could not write checkpoint {path}" in message
+    assert "file write failed" in message and "the previous checkpoint is kept" in message
+    assert re.search(r"; \d+ MiB free on its disk: free some space or pass another --output-dir\)", message)
+    assert os.listdir(tmp_path) == ["checkpoint_last.pth"]  # no temporary file left to fill the disk
+    monkeypatch.undo()
+    assert checkpoint.load(str(path)) == {"epoch": 1}
+
+
+def test_a_full_disk_stops_at_start_in_one_line(small, tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full)  # an empty file still fits on a full disk, its data does not
+    with pytest.raises(UserError, match=r"is not writable \(No space left on device\)"):
+        pretrain(small, tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_keep_last_k_numbered_checkpoints(small, tmp_path):
+    out = tmp_path / "out"
+    pretrain(small, out, "--epochs", 3, "--save-freq", 1, "--keep-checkpoints", 2)
+    assert_trained(out)
+    assert sorted(f for f in os.listdir(out) if f.startswith("checkpoint_")) == [
+        "checkpoint_0002.pth", "checkpoint_0003.pth", "checkpoint_last.pth"]
+    assert load(out / "checkpoint_0002.pth")["epoch"] == 2 and load(out / "checkpoint_0003.pth")["epoch"] == 3
+
+
+class Payload:
+    """Unpickling this runs open(marker, 'w'): what a malicious checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_checkpoint_load_runs_no_code(small, tmp_path):
+    marker, evil = tmp_path / "pwned", tmp_path / "checkpoint_last.pth"
+    torch.save({"kind": "pretrain", "epoch": 1, "payload": Payload(str(marker))}, evil)
+    with pytest.raises(UserError, match="is not a readable PyTorch checkpoint") as err:
+        checkpoint.load(str(evil))
+    assert "\n" not in str(err.value) and not marker.exists()
+    with pytest.raises(UserError, match="is not a readable PyTorch checkpoint"):
+        pretrain(small, tmp_path, "--epochs", 1)  # --resume auto picks it up
+    assert not marker.exists()
+    torch.load(evil, weights_only=False)  # the payload is live: full unpickling would run it
+    assert marker.exists()
