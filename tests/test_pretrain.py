@@ -84,7 +84,12 @@ def test_moco_spellings():
 def test_demo_trains_and_prints_knn_line(tmp_path, monkeypatch, capsys):
     # the bar of a short demo: finite steps, a trunk that moved and the closing kNN line. Beating the untrained kNN
     # takes the demo's 20 epochs (5 to 15 min, README); after 1 epoch the learned kNN is below it, so this test
-    # cannot ask for it. One epoch on 8 px crops (a quarter of the compute), in this process, a bank of 200
+    # cannot ask for it. One epoch on 8 px crops (a quarter of the compute) of the first 450 digits, in this
+    # process, a bank of 200
+    from sklearn import datasets
+    from sklearn.utils import Bunch
+    digits = datasets.load_digits()
+    monkeypatch.setattr(datasets, "load_digits", lambda: Bunch(images=digits.images[:450], target=digits.target[:450]))
     monkeypatch.setenv("HOME", str(tmp_path))  # the demo writes its digits under ~/.cache
     main_pretrain.main(["--epochs", "1", "--crop-size", "8", "--batch-size", "128", "--workers", "0",
                         "--knn-max-train", "200", "--knn-k", "20", "--output-dir", str(tmp_path / "demo")])
