@@ -219,7 +219,7 @@ class EvalSplit:
                                      len(bad) - 1)
         for j, image, row in zip(encoded.tolist(), images, rows if rows is not None else []):
             if g.random:
-                r = row.to(self.device)[None]
+                r = row[None]  # on the host: the window's bounds are read without a device sync
                 x = ops.resized_crops(image[None], r[:, 0], r[:, 1], r[:, 2], r[:, 3], g.size, r[:, 4] > 0)[0]
             else:
                 x = ops.resize_center_crop(image, g.resize, g.size, g.mode)

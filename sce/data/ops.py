@@ -72,7 +72,10 @@ def resized_crops(images, top, left, height, width, size, flip):
         t, l, h, w = (int(v) for v in (top[0], left[0], height[0], width[0]))
         out = F.interpolate(images[:, :, t:t + h, l:l + w].float(), size=(size, size), mode="bilinear",
                             antialias=True, align_corners=False)
-        out = torch.where(flip.view(-1, 1, 1, 1).to(out.device), out.flip(-1), out)
+        if flip.device.type == "cpu":  # the decode routes' rows stay on the host: no copy, no sync an image
+            out = out.flip(-1) if bool(flip[0]) else out
+        else:
+            out = torch.where(flip.view(-1, 1, 1, 1), out.flip(-1), out)
         return out.round_().clamp_(0, 255)
     rows = resize_weights(top, height, size, images.shape[-2])
     cols = resize_weights(left, width, size, images.shape[-1])

@@ -268,9 +268,10 @@ class PretrainBatches:
         placed beside them; an image no decoder reads is read again the workers' way, named and replaced."""
         images = self.decoder(list(jpegs.split(lengths))) if lengths else []
         out = [torch.empty((len(index), 3, spec.size, spec.size), device=self.device) for spec in self.specs]
+        cropped = cropped.to(self.device, non_blocking=True)  # once, not once a view
         for v in range(len(self.specs)):
             if crops[v] is not None:
-                out[v][cropped.to(self.device)] = crops[v].to(self.device, non_blocking=True).float()
+                out[v][cropped] = crops[v].to(self.device, non_blocking=True).float()
         for j, image in zip(encoded.tolist(), images):
             if image is None:  # read the workers' way, here
                 views, bad, reason = self.samples.decoded(epoch, int(index[j]))
