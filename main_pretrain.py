@@ -126,7 +126,8 @@ g.add_argument("--stop-after-epochs", type=int, default=0, metavar="N",
                help="end this invocation after N completed epochs, the schedule still follows --epochs (0: off)")
 g.add_argument("-p", "--print-freq", type=int, default=20, metavar="STEPS", help="progress line every this many steps")
 g.add_argument("--max-nonfinite-steps", type=int, default=20, metavar="N",
-               help="stop after N consecutive non-finite losses (checked at each progress line)")
+               help="stop once more than N consecutive steps were skipped (a non-finite loss or gradients; under "
+                    "fp16 also GradScaler's overflow steps), checked at each progress line")
 g.add_argument("--dist-timeout", type=int, default=1800, metavar="SECONDS", help="timeout of collectives")
 g.add_argument("--preview-views", metavar="PNG", help="write a grid of the augmented views of 8 images (rows: images; "
                "columns: the views, labelled) to PNG and exit without training")
@@ -135,7 +136,7 @@ g.add_argument("--knn-data", metavar="DIR",
                help="its data, in --dataset's layout (an ImageFolder: DIR/train and DIR/val; a built-in dataset: its "
                     "root), read as main_lincls.py --knn reads it, for the same number; every image must be readable "
                     "(--max-bad-images is for --data): an unreadable one stops the run, naming it")
-g.add_argument("--knn-every", type=int, default=1, metavar="EPOCHS", help="every N epochs, and after the last")
+g.add_argument("--knn-every", type=int, default=1, metavar="EPOCHS", help="every N epochs, and after the last (0: off)")
 g.add_argument("--knn-max-train", type=int, metavar="N",
                help="its bank: a seeded subset of N train images, for quick monitoring (default: all)")
 cli.add_knn_args(g)
@@ -291,7 +292,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     monitor = None
-    if args.knn_data:  # read as main_lincls.py --knn reads it, for the same number
+    if args.knn_data and (args.knn_every or args.demo):  # read as main_lincls.py --knn reads it: the same number
         size = data.eval_crop_size(None, args.small_input, vars(args), args.dataset)[0]
         sets = data.eval_splits(args.dataset, args.knn_data, size, args.small_input, device, args.preload, args.decode,
                                 min(args.workers, 4), class_list=args.class_list, what="kNN ", budget=budget)

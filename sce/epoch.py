@@ -57,7 +57,6 @@ class Run:
 @dataclasses.dataclass
 class Epoch:
     """What train_one_epoch did."""
-    steps: int  # steps done
     stopped_at: int  # the step to resume from, when a stop was requested mid-epoch; else None
     stats: dict  # the epoch's averages (its line of log.txt) when it ended; else None
     nonfinite: torch.Tensor  # consecutive non-finite steps at its end, on the device (the next epoch goes on)
@@ -109,7 +108,7 @@ def train_one_epoch(run, epoch, start_step, nonfinite):
         # a stop request is agreed through a gloo all_reduce over the ranks: at most every 10 steps, not every one
         if (i + 1) % min(args.print_freq, CHECK_STEPS) == 0 and run.preemption.requested() \
                 and i + 1 < run.steps_per_epoch:
-            return Epoch(i + 1 - start_step, i + 1, None, nonfinite)
+            return Epoch(i + 1, None, nonfinite)
     steps = run.steps_per_epoch - start_step
     stats = dict(window_means(epoch_sums, steps), lr=lr, momentum=m, **{"lambda": lam},
                  images_per_s=steps * args.batch_size / max(time.time() - epoch_start, 1e-9))
@@ -118,7 +117,7 @@ def train_one_epoch(run, epoch, start_step, nonfinite):
     if stats["skipped_steps"] == steps and not (run.training.scaler and finite_losses.item()):
         raise UserError(f"every step of epoch {epoch + 1} ({steps} steps) had a non-finite loss and was skipped, so "
                         f"the weights did not move: {likely_cause(args, lr)}; the last good checkpoint is kept")
-    return Epoch(steps, None, stats, nonfinite)
+    return Epoch(None, stats, nonfinite)
 
 
 def note_first_steps(run, step, started):

@@ -209,6 +209,8 @@ def test_rank_that_raises_stops_the_job_and_is_named(tmp_path, jobs):
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), job.output[-3000:]
     assert re.search(r"traceback\s*:\s*error: 1 unreadable images, more than --max-bad-images 0", root)
     assert "raise UserError" not in job.output  # one line, no traceback of the UserError anywhere
+    said = job.output.split("Root Cause")[0].splitlines()  # and the rank printed that line itself
+    assert any(line.startswith("error: 1 unreadable images, more than --max-bad-images 0") for line in said), said
 
 
 def test_killed_rank_stops_the_job(data, tmp_path, jobs):
@@ -246,7 +248,8 @@ def test_hung_rank_times_out(data, tmp_path, jobs):
     code, took = job.wait(timeout=150)
     # 5 s timeout on rank 0, then torchrun stops the hung rank
     assert code != 0 and took < EXIT_LIMIT_S, (took, job.output[-3000:])
-    assert "Timed out" in job.output or "timeout" in job.output.lower()
+    root = job.output.split("Root Cause")[-1]  # the first failure: rank 0, its collective timed out after 5 s
+    assert re.search(r"rank\s*:\s*0 ", root) and "Timed out waiting 5000ms" in root, job.output[-3000:]
 
 
 @pytest.fixture(scope="module")

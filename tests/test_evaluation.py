@@ -21,7 +21,7 @@ from sce import UserError, data as sce_data
 from sce.builder import build_trunk
 from sce.checkpoint import load_trunk, trunk_state_dict
 from sce.data import MEAN, STD, build_dataset, eval_crop_size
-from sce.knn import knn_scores
+from sce.knn import extract_features, knn_scores
 from sce.metrics import average_precision_11point, top1_accuracy
 from sce.transfer import select_logreg
 
@@ -152,6 +152,24 @@ def test_knn_scores_equal_brute_force():
     for k in (1, 7, 60, 200):
         got = knn_scores(torch.tensor(bank), torch.tensor(labels), torch.tensor(queries), 4, k=k, t=0.07)
         assert np.allclose(got.numpy(), brute_force_votes(bank, labels, queries, 4, k, 0.07), rtol=1e-9)
+
+
+def test_knn_stays_fp32_under_autocast():
+    # main_lincls.py --knn --amp runs the kNN inside autocast: similarities, votes and features stay fp32
+    g = torch.Generator().manual_seed(0)
+    bank, queries = (F.normalize(torch.randn(n, 48, generator=g), dim=1) for n in (200, 40))
+    labels = torch.arange(200) % 3
+    plain = knn_scores(bank, labels, queries, 3, k=20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = knn_scores(bank, labels, queries, 3, k=20)
+    assert scores.dtype == torch.float32 and torch.equal(scores, plain)
+    trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16))  # an op autocast runs in bf16
+    class Batches(list):  # EvalSplit.batches' face: its batches, and a sampler that says how many images
+        sampler = range(30)
+    batches = Batches((torch.randn(10, 3, 4, 4, generator=g), torch.arange(10) % 3) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        features, _ = extract_features(trunk, batches)
+    assert features.dtype == torch.float32 and features.shape == (30, 16)
 
 
 def test_knn_script_equals_brute_force(pretrained, tmp_path, capsys):
