@@ -130,7 +130,8 @@ for method in $METHODS; do
     # shellcheck disable=SC2086
     pretrain=($PYTHON main_pretrain.py --dataset "$FORMAT" --data "$ROOT" --knn-data "$ROOT" $PRETRAIN
               ${FLAGS[$method]} --output-dir "$run")
-    if (( first )) && [ ! -f "$run/checkpoint_last.pth" ] && [ "${DRY_RUN:-0}" != 1 ]; then  # it measures this machine
+    # the first epoch measures this machine (again after a stop within it)
+    if (( first )) && [ "$(epochs_done "$run")" = 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
         stage "$method pretrain" "$OUT/$method.pretrain.log" "${pretrain[@]}" --stop-after-epochs 1
         # shellcheck disable=SC2086
         $PYTHON benchmarks/reproduce_tools.py estimate "$OUT/$method.pretrain.log" "$OUT/data.env" "$PRETRAIN" \

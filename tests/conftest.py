@@ -1,11 +1,13 @@
 """Shared test helpers: small datasets written in the real formats, script runners, and the check that a
 pretraining run learned."""
+import contextlib
 import fcntl
 import json
 import math
 import multiprocessing
 import os
 import pathlib
+import runpy
 import signal
 import subprocess
 import sys
@@ -206,26 +208,50 @@ def run_script(args, cwd=REPO, timeout=300, env=None, check=True, threads=1):
     return proc
 
 
-@pytest.fixture
-def in_process():
-    """For tests that run the scripts in this process: one intra-op thread like the subprocesses (two on 2 busy
-    cores run ~10x slower), pytest's signal handlers back after a pretraining run installed the preemption
-    ones, and the workers of a loader stopped by an error ended (its iterator waits for the garbage collector,
-    whose shutdown then joins each worker for 5 s)."""
+def exit_message(script, *args):
+    """Run a script's __main__ in this process (saves a torch import) and return what it passed to sys.exit (None
+    when it ended normally): the scripts turn a UserError into sys.exit("error: ..."), a one-line message and exit
+    status 1 with no traceback."""
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [script] + [str(a) for a in args]
+    try:
+        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return None
+
+
+@contextlib.contextmanager
+def script_in_process():
+    """For running the scripts in this process: one intra-op thread like the subprocesses (two on 2 busy cores run
+    ~10x slower), pytest's signal handlers back after a pretraining run installed the preemption ones, and the
+    workers of a loader stopped by an error ended (its iterator waits for the garbage collector, whose shutdown
+    then joins each worker for 5 s)."""
     stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     threads, saved = torch.get_num_threads(), {s: signal.getsignal(s) for s in stops}
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-    workers = multiprocessing.active_children()
-    torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # it would raise "worker killed" in a later test
-    for p in workers:
-        p.kill()
-    for p in workers:
-        p.join(10)
-    signal.signal(signal.SIGCHLD, torch_handler)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        workers = multiprocessing.active_children()
+        torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # it would raise "worker killed" in a later test
+        for p in workers:
+            p.kill()
+        for p in workers:
+            p.join(10)
+        signal.signal(signal.SIGCHLD, torch_handler)
+
+
+@pytest.fixture
+def in_process():
+    """A test that runs the scripts in this process (script_in_process)."""
+    with script_in_process():
+        yield
 
 
 @pytest.fixture
@@ -258,7 +284,9 @@ def pretrained(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ckpt.exists():
             data = write_imagefolder(shared / "pretrain_data", 3, 8, 32)
-            run_script(["main_pretrain.py", "--data", data, "--arch", "resnet18", "--small-input", "--crop-size",
-                        "32", "--epochs", "1", "--batch-size", "16", "--queue-size", "64", "--workers", "0",
-                        "--output-dir", str(out)])
+            import main_pretrain
+            with script_in_process():
+                main_pretrain.main(["--data", data, "--arch", "resnet18", "--small-input", "--crop-size", "32",
+                                    "--epochs", "1", "--batch-size", "16", "--queue-size", "64", "--workers", "0",
+                                    "--output-dir", str(out)])
     return str(ckpt)

@@ -19,6 +19,7 @@ from sce import data as sce_data, distributed as du, losses  # noqa: E402
 from sce.builder import MomentumModel, momentum_at  # noqa: E402
 from sce.engine import Training, train_step  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
+import sync_bn_check  # noqa: E402  (beside this file)
 
 data, out = sys.argv[1], sys.argv[2]
 rank, world, _, device = du.init()
@@ -55,4 +56,7 @@ running = {k: du.all_reduce_sum(v.clone()) / world for k, v in state.items()
            if k.endswith(("running_mean", "running_var"))}
 if rank == 0:
     torch.save({"model": state, "bn_mean_over_ranks": running, "losses": step_losses}, out)
+if world == 2:  # the same ranks check sync-BN: one torchrun job for both
+    torch.set_default_dtype(torch.float32)
+    sync_bn_check.check(rank, world)
 du.cleanup()

@@ -10,7 +10,6 @@ import os
 import pickle
 import py_compile
 import re
-import runpy
 import sys
 
 import numpy as np
@@ -20,7 +19,7 @@ import torchvision
 import yaml
 from PIL import Image
 
-from conftest import REPO, run_script, write_imagefolder
+from conftest import REPO, exit_message, run_script, script_in_process, write_imagefolder
 from sce import UserError
 from sce.builder import MomentumModel, build_trunk
 
@@ -34,16 +33,18 @@ def pretrain_ckpt(tmp_path_factory):
     """A real ResNet-50 checkpoint written by main_pretrain.py (1 epoch on 8 tiny images)."""
     root = tmp_path_factory.mktemp("pretrain")
     data = write_imagefolder(root / "data", num_classes=2, per_class=4, splits=("",))
-    run_script(["main_pretrain.py", "--data", data, "--arch", "resnet50", "--crop-size", "32", "--epochs", "1",
-                "--batch-size", "8", "--queue-size", "64", "--workers", "0", "--output-dir", str(root / "out"),
-                "--proj-hidden-dims", "64", "--proj-dim", "32"])
+    import main_pretrain
+    with script_in_process():
+        main_pretrain.main(["--data", data, "--arch", "resnet50", "--crop-size", "32", "--epochs", "1",
+                            "--batch-size", "8", "--queue-size", "64", "--workers", "0", "--output-dir",
+                            str(root / "out"), "--proj-hidden-dims", "64", "--proj-dim", "32"])
     return str(root / "out" / "checkpoint_last.pth")
 
 
 @pytest.fixture(scope="module")
 def torchvision_weights(pretrain_ckpt, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tv") / "sce_r50_torchvision.pth")
-    run_script([TO_TV, pretrain_ckpt, out])
+    assert exit_message(TO_TV, pretrain_ckpt, out) is None  # in this process: a torch import saved
     return out
 
 
@@ -104,8 +105,10 @@ def load_pkl(path):
 @pytest.mark.parametrize("encoder", ["online", "momentum"])
 def test_detectron2_conversion_of_main_pretrain_checkpoint(pretrain_ckpt, tmp_path, encoder):
     out = str(tmp_path / "sce_r50.pkl")
-    proc = run_script([TO_D2, pretrain_ckpt, out] + (["--encoder", "momentum"] if encoder == "momentum" else []))
-    assert "wrote 265 tensors" in proc.stdout
+    flags = ["--encoder", "momentum"] if encoder == "momentum" else []
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # in this process: a torch import saved
+        assert exit_message(TO_D2, pretrain_ckpt, out, *flags) is None
+    assert "wrote 265 tensors" in said.getvalue()
     converted = load_pkl(out)
     assert set(converted) == {"model", "__author__", "matching_heuristics"}
     assert converted["matching_heuristics"] is True
@@ -158,21 +161,6 @@ def assert_one_line_error(proc, *needles):
     assert "Traceback" not in proc.stderr and len(err.splitlines()) == 1 and err.startswith("error: "), proc.stderr
     for needle in needles:
         assert needle in err, err
-
-
-def exit_message(script, *args):
-    """Run a script's __main__ in this process (saves a torch import per case) and return what it
-    passed to sys.exit: the scripts turn a UserError into sys.exit("error: ..."), a one-line
-    message and exit status 1 with no traceback."""
-    argv, path = sys.argv, list(sys.path)
-    sys.argv = [script] + [str(a) for a in args]
-    try:
-        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
-    except SystemExit as e:
-        return e.code
-    finally:
-        sys.argv, sys.path[:] = argv, path
-    return None
 
 
 def assert_exit_error(script, args, *needles):

@@ -61,12 +61,21 @@ def descendants(pid):
     return out
 
 
-class Job:
-    """A torchrun job (2 gloo ranks) whose output is read on a thread, so a test can wait for a line."""
+ONE_NODE = ["--standalone", "--nproc_per_node=2"]
 
-    def __init__(self, script, args, nproc=2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               script] + [str(a) for a in args]
+
+def node_of_two(node, port):
+    """torchrun's flags for `node` of two 'nodes' of one rank each, c10d rendezvous on 127.0.0.1:`port`."""
+    return ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "sce-test", "--max-restarts", "0"]
+
+
+class Job:
+    """A torchrun job (by default one node of 2 gloo ranks) whose output is read on a thread, so a test can wait
+    for a line."""
+
+    def __init__(self, script, args, launcher=ONE_NODE):
+        cmd = [sys.executable, "-m", "torch.distributed.run"] + launcher + [script] + [str(a) for a in args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self.lines = []
@@ -118,8 +127,8 @@ def jobs():
     """Start torchrun jobs; any left running by a failing test are killed."""
     started = []
 
-    def start(script, args):
-        started.append(Job(script, args))
+    def start(script, args, launcher=ONE_NODE):
+        started.append(Job(script, args, launcher))
         return started[-1]
     yield start
     for job in started:
@@ -128,11 +137,15 @@ def jobs():
 
 
 def test_two_gloo_ranks_equal_one_process(small, tmp_path):
+    """tests/dist_equivalence.py on two ranks and in one process standing for them; the two ranks then run
+    tests/sync_bn_check.py's checks of MomentumModel(sync_bn=True)."""
     # both at once: the single process overlaps torchrun's start-up and rendezvous
     with ThreadPoolExecutor(1) as pool:  # the single process splits BN in 2 chunks
         single = pool.submit(run_script, ["tests/dist_equivalence.py", small, str(tmp_path / "one.pth")])
-        run_script(["torchrun", "--nproc_per_node=2", "tests/dist_equivalence.py", small, str(tmp_path / "two.pth")])
+        proc = run_script(["torchrun", "--nproc_per_node=2", "tests/dist_equivalence.py", small,
+                           str(tmp_path / "two.pth")])
         single.result()
+    assert "sync-bn check ok" in proc.stdout
     two, one = load(tmp_path / "two.pth"), load(tmp_path / "one.pth")
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-6)  # float64 (dist_equivalence.py)
     weights, queue = one["model"], one["model"]["queue"]
@@ -145,45 +158,6 @@ def test_two_gloo_ranks_equal_one_process(small, tmp_path):
     assert not torch.allclose(two["model"]["encoder.bn1.running_var"], weights["encoder.bn1.running_var"], atol=1e-4)
     for key in weights:
         assert torch.allclose(running.get(key, two["model"][key]), weights[key], atol=1e-6), key
-
-
-def test_preemption_two_ranks_resumes_exactly(data, tmp_path, jobs):
-    # device-side augmentation (on CPU tensors here): its parameters come from the same per-sample stream
-    common = ["--data", data, "--epochs", "2", "--augment", "gpu"] + TINY
-    ref = jobs("main_pretrain.py", common + ["--output-dir", tmp_path / "ref"])  # the reference, alongside
-    out = tmp_path / "pre"
-    last = out / "checkpoint_last.pth"
-
-    # SLURM signals every process of the step: SIGTERM to both ranks in the middle of epoch 1
-    job = jobs("main_pretrain.py", common + ["--output-dir", out])
-    job.wait_for("Epoch [1/2][1/4]")
-    ranks = job.ranks()
-    assert sorted(ranks) == [0, 1]
-    for pid in ranks.values():
-        os.kill(pid, signal.SIGTERM)
-    code, took = job.wait()
-    assert took < EXIT_LIMIT_S and code != 0
-    assert "=> preempted: saved epoch 0 step" in job.output
-    # torchrun exits 1; its summary shows both ranks' own code, the distinct PREEMPTED_EXIT_CODE
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", job.output)
-    assert codes == [str(PREEMPTED_EXIT_CODE)] * 2, job.output[-3000:]
-    ckpt = load(last)
-    assert ckpt["epoch"] == 0 and 0 < ckpt["step_in_epoch"] < 4 and ckpt["step"] == ckpt["step_in_epoch"]
-    assert {"torch", "python"} <= set(ckpt["rng"]) and "queue" in ckpt["model"] and ckpt["optimizer"]["state"]
-
-    # the same command (--resume auto) continues from that step to the end
-    job = jobs("main_pretrain.py", common + ["--output-dir", out])
-    code, _ = job.wait()
-    assert code == 0, job.output[-3000:]
-    assert f"=> resuming from {last}: epoch 0, step {ckpt['step_in_epoch']}" in job.output
-    code, _ = ref.wait()
-    assert code == 0, ref.output[-3000:]
-    a, b = load(tmp_path / "ref" / "checkpoint_last.pth"), load(last)
-    assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 8
-    assert_same_state(a["model"], b["model"])  # weights, BN buffers, queue, queue_ptr: bit for bit
-    assert int(b["model"]["queue_ptr"]) == 0 and b["model"]["encoder.bn1.running_mean"].abs().sum() > 0
-    assert_trained(tmp_path / "ref")
-    assert_trained(out)  # its log.txt: the epochs of two invocations
 
 
 def first_image_of(rank, root, world=2, batch=8):
@@ -268,11 +242,9 @@ def free_port():
 
 
 def two_nodes(args, timeout=240):
-    """The same command on two torchrun 'nodes' of one rank each, c10d rendezvous on 127.0.0.1."""
+    """The same command on two torchrun 'nodes' of one rank each (node i runs args[i])."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                               f"127.0.0.1:{port}", "--rdzv-id", "sce-test", "--max-restarts", "0"]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run"] + node_of_two(node, port)
                               + [str(a) for a in node_args], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for node, node_args in enumerate(args)]
@@ -280,29 +252,57 @@ def two_nodes(args, timeout=240):
     return [p.returncode for p in procs], outputs
 
 
-def test_two_nodes_equal_one_node_of_two_ranks_and_the_monitor_one_process(labelled, tmp_path):
-    """The same run on two 'nodes' of one rank and on one node of two ranks: the same weights; its kNN monitor
-    (every rank its share) gives main_lincls.py --knn's number in one process; one process resumes it."""
-    common = ["main_pretrain.py", "--data", labelled, "--epochs", "1", "--knn-data", labelled, "--knn-k", "5"] + TINY
-    with ThreadPoolExecutor(1) as pool:  # both at once: each one's start-up overlaps the other's
-        one_node = pool.submit(run_script, ["torchrun", "--standalone", "--nproc_per_node=2"] + common
-                               + ["--output-dir", str(tmp_path / "one")])
-        codes, outputs = two_nodes([common + ["--output-dir", tmp_path / "nodes"]] * 2)
-        proc = one_node.result()
-    assert codes == [0, 0], "\n".join(o[-2000:] for o in outputs)
-    assert "on 2 rank(s)" in proc.stdout
-    a, b = load(tmp_path / "nodes" / "checkpoint_last.pth"), load(tmp_path / "one" / "checkpoint_last.pth")
-    assert a["step"] == b["step"] == 3
-    assert_same_state(a["model"], b["model"])
-    assert_trained(tmp_path / "nodes")
-    monitor = json.loads(open(tmp_path / "one" / "log.txt").read().splitlines()[-1])
-    main_lincls.main(["--data", labelled, "--pretrained", str(tmp_path / "one" / "checkpoint_last.pth"), "--knn",
-                      "--knn-k", "5", "--crop-size", "16", "--workers", "0", "--output-dir", str(tmp_path / "knn")])
+def test_two_nodes_preempted_equal_one_node_of_two_ranks(labelled, tmp_path, jobs):
+    """A run on two 'nodes' of one rank, preempted mid-epoch on both (SLURM signals every process of the step) and
+    resumed by the same command, ends with the weights of one uninterrupted node of two ranks, bit for bit; its
+    kNN monitor (every rank its share) gives main_lincls.py --knn's number in one process; one process resumes it.
+    Device-side augmentation (on CPU tensors here): its parameters come from the same per-sample stream."""
+    common = ["--data", labelled, "--epochs", 2, "--augment", "gpu", "--knn-data", labelled, "--knn-k", 5] + TINY
+    one_node = jobs("main_pretrain.py", common + ["--output-dir", tmp_path / "one"])  # the reference, alongside
+    out = tmp_path / "nodes"
+    last = out / "checkpoint_last.pth"
+
+    def on_two_nodes():
+        port = free_port()
+        return [jobs("main_pretrain.py", common + ["--output-dir", out], node_of_two(node, port)) for node in (0, 1)]
+    nodes = on_two_nodes()
+    nodes[0].wait_for("Epoch [1/2][1/3]")
+    ranks = {**nodes[0].ranks(), **nodes[1].ranks()}
+    assert sorted(ranks) == [0, 1]
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGTERM)
+    for node in nodes:
+        code, took = node.wait()
+        assert took < EXIT_LIMIT_S and code != 0
+        # torchrun exits 1; its summary shows the rank's own code, the distinct PREEMPTED_EXIT_CODE
+        assert re.findall(r"exitcode\s*:\s*(-?\d+) ", node.output) == [str(PREEMPTED_EXIT_CODE)], node.output[-3000:]
+    assert "=> preempted: saved epoch 0 step" in nodes[0].output
+    ckpt = load(last)
+    assert ckpt["epoch"] == 0 and 0 < ckpt["step_in_epoch"] < 3 and ckpt["step"] == ckpt["step_in_epoch"]
+    assert {"torch", "python"} <= set(ckpt["rng"]) and "queue" in ckpt["model"] and ckpt["optimizer"]["state"]
+
+    # the same command (--resume auto) continues from that step to the end
+    nodes = on_two_nodes()
+    for node in nodes:
+        code, _ = node.wait()
+        assert code == 0, node.output[-3000:]
+    assert f"=> resuming from {last}: epoch 0, step {ckpt['step_in_epoch']}" in nodes[0].output
+    code, _ = one_node.wait()
+    assert code == 0 and "on 2 rank(s)" in one_node.output, one_node.output[-3000:]
+    a, b = load(tmp_path / "one" / "checkpoint_last.pth"), load(last)
+    assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 6
+    assert_same_state(a["model"], b["model"])  # weights, BN buffers, queue, queue_ptr: bit for bit
+    assert b["model"]["encoder.bn1.running_mean"].abs().sum() > 0
+    assert_trained(tmp_path / "one")
+    assert_trained(out)  # its log.txt: the epochs of two invocations
+    monitor = json.loads(open(out / "log.txt").read().splitlines()[-1])
+    main_lincls.main(["--data", labelled, "--pretrained", str(last), "--knn", "--knn-k", "5", "--crop-size", "16",
+                      "--workers", "0", "--output-dir", str(tmp_path / "knn")])
     single = json.load(open(tmp_path / "knn" / "results_knn.json"))
     assert 0 < monitor["knn_top1"] < 100
     assert monitor["knn_top1"] == pytest.approx(single["acc1"]) and monitor["knn_top5"] == pytest.approx(single["acc5"])
-    main_pretrain.main(common[1:] + ["--epochs", "2", "--output-dir", str(tmp_path / "one")])  # one process resumes it
-    assert load(tmp_path / "one" / "checkpoint_last.pth")["epoch"] == 2
+    main_pretrain.main([str(a) for a in common] + ["--epochs", "3", "--output-dir", str(out)])  # one process resumes it
+    assert load(last)["epoch"] == 3
 
 
 def test_nodes_that_disagree_stop(labelled, tmp_path):
@@ -340,8 +340,3 @@ def test_torchrun_two_processes(pretrained, labelled, tmp_path):
     assert proc.stdout.count("Epoch 1/1:") == 1  # only rank 0 reports
     assert load(str(tmp_path / "checkpoint_last.pth"))["epoch"] == 1
     assert same_trunk(pretrained, str(tmp_path / "checkpoint_last.pth"))
-
-
-def test_sync_bn_model_on_two_gloo_ranks():
-    proc = run_script(["torchrun", "--standalone", "--nproc_per_node=2", "tests/sync_bn_check.py"], timeout=120)
-    assert "sync-bn check ok" in proc.stdout

@@ -36,36 +36,6 @@ def reproduce(dataset, data, out, timeout=300, **env):
                           timeout=timeout, env=dict(ENV, **env))
 
 
-@pytest.mark.parametrize("dataset", ["stl10"])  # ImageFolder: test_a_signal_...; every layout's reading: DRY_RUN
-def test_smoke_run_from_official_files(tmp_path, dataset):
-    """SMOKE=1 on an official layout trains on a small ImageFolder of it, shows a line per epoch of each stage; run
-    again, it runs nothing and its table holds every method finished in OUT_DIR."""
-    WRITERS[dataset](str(tmp_path / "data"))
-    proc = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"=> {dataset}: {FOUND[dataset]}" in proc.stdout
-    assert f"=> SMOKE: 8 train / 4 val images of {dataset}'s first 10 classes" in proc.stdout
-    assert re.search(r"=> the first epoch ran at \d+ images/s .*\n   sce pretrain: 1 epochs x 8 images: [\d.]+ min\n"
-                     r"   sce linear: 1 epochs x 8 images: [\d.]+ min", proc.stdout)
-    assert re.search(r"^   Epoch \[1/1\]\[1/1\] loss .*\n   => epoch 1: kNN top-1 ", proc.stdout, re.M)  # pretraining
-    assert re.search(r"^   Epoch 1/1: Acc@1 ", proc.stdout, re.M)  # the linear probe's epoch
-    # the same command again: every stage is done, nothing runs again; a method finished in OUT_DIR by another
-    # invocation (here ReSSL, a copy of the SCE run standing for one) is in the table too
-    shutil.copytree(tmp_path / "out" / "sce", tmp_path / "out" / "ressl")
-    again = reproduce(dataset, tmp_path / "data", tmp_path / "out", SMOKE="1", METHODS="sce")
-    assert again.returncode == 0 and "===" not in again.stdout and "| SCE |" in again.stdout
-    results = json.load(open(tmp_path / "out" / "results.json"))
-    paper = {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "tiny-imagenet": 51.90}[dataset]
-    assert sorted(results["methods"]) == ["ressl", "sce"]
-    row = results["methods"]["sce"]
-    assert results["dataset"] == dataset and row["paper_linear_top1"] == paper
-    assert 0 <= row["linear_top1"] <= 100 and 0 <= row["knn_top1"] <= 100 and row["pretrain_s"] > 0
-    assert row["knn_top1"] == json.loads(open(tmp_path / "out" / "sce" / "log.txt").read().splitlines()[-1])["knn_top1"]
-    table = open(tmp_path / "out" / "results.md").read()
-    assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | {paper:.2f} |" \
-        in table and "| ReSSL | " in table
-
-
 def commands(stdout):
     """{(method, stage): argv} of a DRY_RUN's '=== METHOD STAGE: CMD' lines."""
     found = {}
@@ -76,18 +46,24 @@ def commands(stdout):
 
 def test_commands_are_recipes_settings(tmp_path):
     """DRY_RUN=1: each dataset's pretraining commands are RECIPES.md's line for it (SCE with Table 10's best
-    temperatures; MoCo v2 and ReSSL with the same setting and their own temperatures), on its official layout."""
+    temperatures; MoCo v2 and ReSSL with the same setting and their own temperatures), on its official layout.
+    CIFAR-10's with PYTHON unset and no `python` on PATH (only python3, as on many systems)."""
     keys = ["arch", "small_input", "crop_size", "batch_size", "epochs", "lr", "weight_decay", "warmup_epochs",
             "queue_size", "proj_dim", "proj_hidden_dims", "proj_last_bn", "ema_momentum", "ema_schedule", "bn_splits",
             "shuffle_bn"]
     own = {"sce": None, "moco": ["--method", "moco", "--tau", "0.2"],
            "ressl": ["--method", "ressl", "--tau", "0.1", "--tau-m", "0.04"]}
+    bin_dir = tmp_path / "bin"
+    os.makedirs(bin_dir)
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    os.chmod(bin_dir / "python3", 0o755)
+    python3_only = dict({k: v for k, v in ENV.items() if k != "PYTHON"}, PATH=f"{bin_dir}:/usr/bin:/bin")
     runs = {}
     for dataset in WRITERS:  # the four at once: their checks import torch, seconds each
         WRITERS[dataset](str(tmp_path / dataset))
         command = ["bash", SCRIPT, dataset, str(tmp_path / dataset), str(tmp_path / "out" / dataset)]
         runs[dataset] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         env=dict(ENV, DRY_RUN="1"))
+                                         env=dict(python3_only if dataset == "cifar10" else ENV, DRY_RUN="1"))
     for dataset, proc in runs.items():
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-2000:]
@@ -101,6 +77,7 @@ def test_commands_are_recipes_settings(tmp_path):
             for key in keys + ["tau"] + (["tau_m"] if method != "moco" else []):
                 assert getattr(args, key) == getattr(expected, key), (dataset, method, key)
         assert found["sce", "linear"][:4] == ["--dataset", dataset, "--data", found["sce", "pretrain"][3]]
+        assert ("=== sce pretrain: python3 main_pretrain.py" in stdout) == (dataset == "cifar10")
 
 
 def test_bad_input_is_one_line(tmp_path):
@@ -152,23 +129,9 @@ def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
     assert "val_4.JPEG, listed on line 5 of" in error("tiny-imagenet", tmp_path / "tiny")
 
 
-def test_the_interpreter_is_found_without_python_on_path(tmp_path):
-    """PYTHON unset and no `python` on PATH (only python3, as on many systems): the script still runs."""
-    bin_dir = tmp_path / "bin"
-    os.makedirs(bin_dir)
-    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
-    os.chmod(bin_dir / "python3", 0o755)
-    write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
-    env = {k: v for k, v in ENV.items() if k != "PYTHON"}
-    proc = subprocess.run(["bash", SCRIPT, "cifar10", str(tmp_path / "folders"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(env, PATH=f"{bin_dir}:/usr/bin:/bin", DRY_RUN="1"))
-    assert proc.returncode == 0 and "=== sce pretrain: python3 main_pretrain.py" in proc.stdout, proc.stderr
-
-
-def launch(data, out):
+def launch(data, out, dataset="cifar10"):
     """reproduce.sh SMOKE=1 of SCE, started."""
-    return subprocess.Popen(["bash", SCRIPT, "cifar10", str(data), str(out)], text=True, stdout=subprocess.PIPE,
+    return subprocess.Popen(["bash", SCRIPT, dataset, str(data), str(out)], text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(ENV, SMOKE="1", METHODS="sce"))
 
 
@@ -184,15 +147,18 @@ def running(out):
     return subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 0
 
 
-def test_a_stop_reaches_the_running_stage_and_the_same_command_continues(tmp_path):
-    """Two invocations side by side. SIGTERM to one script (not its group): the pretraining it runs saves and stops,
-    the script exits with its code and says how to continue, no Python process is left, and the same command
-    continues the stopped epoch, then the linear probe and the table. While the other runs, a second invocation
-    into its OUT_DIR is refused; killed outright (SIGKILL: no trap runs), its running stage notices within seconds,
-    saves and stops: nothing trains on orphaned."""
-    write_imagefolder(tmp_path / "small", num_classes=2, per_class=16, size=16)  # 4 steps, a stop request at each
+def test_smoke_run_stopped_and_continued(tmp_path):
+    """Two SMOKE=1 invocations side by side. One, on STL-10's official files: SIGTERM to the script (not its group)
+    reaches its pretraining, which saves and stops; the script exits with its code and says how to continue, and
+    the same command continues the stopped epoch, estimates each stage's time once the first epoch is done, runs the
+    linear probe and writes the table, a line per epoch of each stage shown. The other, on an ImageFolder: while it
+    runs a second invocation into its OUT_DIR is refused; killed outright (SIGKILL: no trap runs), its running stage
+    notices within seconds, saves and stops: nothing trains on orphaned. Run again, the finished one runs nothing and
+    its table holds every method finished in OUT_DIR."""
+    write_stl10(str(tmp_path / "stl"), train=40, test=20)  # SMOKE: 4 train, 2 val images of each class; 5 steps
     write_imagefolder(tmp_path / "large", num_classes=10, per_class=16, size=16)  # 20 steps: time to notice a kill
-    killed, stopped = launch(tmp_path / "large", tmp_path / "kill"), launch(tmp_path / "small", tmp_path / "term")
+    killed, stopped = launch(tmp_path / "large", tmp_path / "kill"), launch(tmp_path / "stl", tmp_path / "term",
+                                                                           "stl10")
     training(stopped, tmp_path / "term")
     stopped.send_signal(signal.SIGTERM)
     _, err = stopped.communicate(timeout=60)
@@ -201,13 +167,36 @@ def test_a_stop_reaches_the_running_stage_and_the_same_command_continues(tmp_pat
     second = reproduce("cifar10", tmp_path / "large", tmp_path / "kill", SMOKE="1", METHODS="sce")
     assert second.returncode == 1 and f"is in use by another reproduce.sh (PID {killed.pid})" in second.stderr
     killed.kill()
-    killed.communicate()
+    said, _ = killed.communicate()
+    assert "=> cifar10: image files in train/ and val/ class folders" in said
     deadline = time.time() + 30
     while running(tmp_path / "term") or running(tmp_path / "kill"):
         assert time.time() < deadline, "a stage still runs"
         time.sleep(0.2)
     for out in ("term", "kill"):
         assert "=> preempted: saved epoch 0 step" in (tmp_path / out / "sce.pretrain.log").read_text(), out
-    done = reproduce("cifar10", tmp_path / "small", tmp_path / "term", SMOKE="1", METHODS="sce")
-    assert done.returncode == 0 and "=> cifar10: image files in train/ and val/ class folders" in done.stdout
-    assert "=> resuming from" in (tmp_path / "term" / "sce.pretrain.log").read_text() and "| SCE |" in done.stdout
+
+    done = reproduce("stl10", tmp_path / "stl", tmp_path / "term", SMOKE="1", METHODS="sce")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "=> resuming from" in (tmp_path / "term" / "sce.pretrain.log").read_text()
+    assert f"=> stl10: {FOUND['stl10']}" in done.stdout
+    assert "=> SMOKE: 40 train / 20 val images of stl10's first 10 classes" in done.stdout
+    assert re.search(r"^   Epoch \[1/1\]\[5/5\] loss .*\n   => epoch 1: kNN top-1 ", done.stdout, re.M)  # pretraining
+    assert re.search(r"=> the first epoch ran at \d+ images/s .*\n   sce pretrain: 1 epochs x 40 images: [\d.]+ min\n"
+                     r"   sce linear: 1 epochs x 40 images: [\d.]+ min", done.stdout)
+    assert re.search(r"^   Epoch 1/1: Acc@1 ", done.stdout, re.M)  # the linear probe's epoch
+    # the same command again: every stage is done, nothing runs again; a method finished in OUT_DIR by another
+    # invocation (here ReSSL, a copy of the SCE run standing for one) is in the table too
+    shutil.copytree(tmp_path / "term" / "sce", tmp_path / "term" / "ressl")
+    again = reproduce("stl10", tmp_path / "stl", tmp_path / "term", SMOKE="1", METHODS="sce")
+    assert again.returncode == 0 and "===" not in again.stdout and "| SCE |" in again.stdout
+    results = json.load(open(tmp_path / "term" / "results.json"))
+    assert sorted(results["methods"]) == ["ressl", "sce"]
+    row = results["methods"]["sce"]
+    assert results["dataset"] == "stl10" and row["paper_linear_top1"] == 89.94
+    assert 0 <= row["linear_top1"] <= 100 and 0 <= row["knn_top1"] <= 100 and row["pretrain_s"] > 0
+    last = json.loads(open(tmp_path / "term" / "sce" / "log.txt").read().splitlines()[-1])
+    assert row["knn_top1"] == last["knn_top1"]
+    table = open(tmp_path / "term" / "results.md").read()
+    assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | 89.94 |" \
+        in table and "| ReSSL | " in table

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_same_state, fake_compile, run_script, write_imagefolder
+from conftest import assert_same_state, exit_message, fake_compile, write_imagefolder
 from sce import UserError, losses
 from sce.builder import MomentumModel
 from sce.engine import (Step, Training, check_compile, compile_model, compile_trunk, lr_as_tensors,
@@ -358,12 +358,13 @@ def test_preloaded_recipe_compiles_each_graph_once_in_the_first_step(tmp_path, m
     assert "=> data: preloaded on cpu (0 MiB); views there; step: eager; amp none\n" in capsys.readouterr().out
 
 
-def test_the_benchmark_runs_the_step_and_reports_its_rows():
+def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys):
     """benchmarks/bench_pretrain.py times sce.engine's step (the one main_pretrain.py runs) and prints a JSON row a
     measurement: on CPU, preloaded, the step and end to end beside its two reference models."""
-    proc = run_script(["benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
-                       "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8",
-                       "--proj-hidden-dims", "16", "--steps", "1", "--warmup", "1", "--preload", "--shuffle-bn",
-                       "--bn-splits", "2", "--skip-data"])
-    rows = {json.loads(line)["what"] for line in proc.stdout.splitlines() if line.startswith("{")}
-    assert rows == {"train_step", "end_to_end", "supervised_reference", "ideal_asymmetric"}, proc.stdout[-2000:]
+    assert exit_message("benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
+                        "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8",
+                        "--proj-hidden-dims", "16", "--steps", "1", "--warmup", "1", "--preload", "--shuffle-bn",
+                        "--bn-splits", "2", "--skip-data") is None
+    out = capsys.readouterr().out
+    rows = {json.loads(line)["what"] for line in out.splitlines() if line.startswith("{")}
+    assert rows == {"train_step", "end_to_end", "supervised_reference", "ideal_asymmetric"}, out[-2000:]
