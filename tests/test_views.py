@@ -113,17 +113,16 @@ def test_the_crop_and_resize_is_torchvisions():
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (6, 3, 40, 48), generator=g, dtype=torch.uint8)
     boxes = [(0, 0, 40, 48), (3, 5, 20, 30), (10, 2, 12, 9), (0, 40, 40, 8), (20, 10, 7, 33), (1, 1, 39, 47)]
-    top, left, h, w = (torch.tensor(c, dtype=torch.float64) for c in zip(*boxes))
-    flip = torch.tensor([False, True, False, True, False, True])
-    batched = ops.resized_crops(x, top, left, h, w, 24, flip)
+    flip = [False, True, False, True, False, True]
+    rows = torch.tensor([box + (f,) for box, f in zip(boxes, flip)], dtype=torch.float64)
+    batched = ops.resized_crops(x, rows, 24)
     for n, (t, l, hh, ww) in enumerate(boxes):
         expected = TF.resized_crop(x[n].float(), t, l, hh, ww, [24, 24], antialias=True)
         expected = (TF.hflip(expected) if flip[n] else expected).round()
-        alone = ops.resized_crops(x[n:n + 1], top[n:n + 1], left[n:n + 1], h[n:n + 1], w[n:n + 1], 24, flip[n:n + 1])
+        alone = ops.resized_crops(x[n:n + 1], rows[n:n + 1], 24)
         for got in (batched[n], alone[0]):  # float rounding may tip a tie (.5, common when enlarging) either way
             assert (got - expected).abs().max() <= 1 and (got != expected).float().mean() < 0.05, n
-    padded = ops.resized_crops(x[:1], torch.tensor([-4.0]), torch.tensor([-4.0]), torch.tensor([40.0]),
-                               torch.tensor([40.0]), 40, torch.tensor([False]))  # not a resize: a shift
+    padded = ops.resized_crops(x[:1], torch.tensor([[-4.0, -4.0, 40.0, 40.0, 0]]), 40)  # not a resize: a shift
     assert torch.equal(padded[0, :, 4:, 4:], x[0, :, :36, :36].float()) and padded[0, :, :4].abs().sum() == 0
     image = torch.randint(0, 256, (3, 50, 70), generator=g, dtype=torch.uint8)
     for mode, interpolation in (("bilinear", T.InterpolationMode.BILINEAR), ("bicubic", T.InterpolationMode.BICUBIC)):
@@ -203,8 +202,7 @@ def test_a_view_equals_torchvision_v2_and_pil_from_the_same_parameters(aug, phot
     image = TF.pil_to_tensor(photo)
     rows = rows_of(aug, n=24, size=40)
     p = views.Photometric.of(rows)
-    crops = torch.stack([ops.resized_crops(image[None], r[None, 0], r[None, 1], r[None, 2], r[None, 3], 40,
-                                           r[None, 4] > 0)[0] for r in rows])
+    crops = torch.cat([ops.resized_crops(image[None], r[None], 40) for r in rows])  # one by one, as the workers
     scale, shift = ops.normalization("cpu")
     view = finish_view(crops, rows, views.ViewSpec(aug, 40).photometric, scale, shift, torch.bfloat16,
                        torch.channels_last)
@@ -254,8 +252,7 @@ def test_compiled_views_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatc
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real(fn, backend="aot_eager", **kwargs))
     image = torch.randint(0, 256, (3, 60, 70), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     rows = views.draw(views.ViewSpec("strong-gamma", 32), 0, 0, np.arange(16), 1, [60] * 16, [70] * 16)
-    crops = torch.stack([ops.resized_crops(image[None], r[None, 0], r[None, 1], r[None, 2], r[None, 3], 32,
-                                           r[None, 4] > 0)[0] for r in rows])
+    crops = torch.cat([ops.resized_crops(image[None], r[None], 32) for r in rows])  # one by one, as the workers
     args = (crops, rows, True, *ops.normalization("cpu"), torch.bfloat16, torch.channels_last)
     eager, compiled = finish_view(*args), Compiled(True)(finish_view, *args)
     assert compiled.dtype == torch.bfloat16 and compiled.is_contiguous(memory_format=torch.channels_last)

@@ -202,7 +202,7 @@ class EvalSplit:
             height, width = x.shape[-2:]
             r = probe_crops(g.padding, g.size, self.seed, keys[0][0], [i for _, i in keys], [height] * len(keys),
                             [width] * len(keys)).to(self.device)
-            x = ops.resized_crops(x, r[:, 0], r[:, 1], r[:, 2], r[:, 3], g.size, r[:, 4] > 0)
+            x = ops.resized_crops(x, r, g.size)
         return ops.normalize(x.float() / 255, scale, shift), self.images.targets[index]
 
     def decode_batch(self, batch, decoder, scale, shift):
@@ -219,8 +219,8 @@ class EvalSplit:
                                      len(bad) - 1)
         for j, image, row in zip(encoded.tolist(), images, rows if rows is not None else []):
             if g.random:
-                r = row[None]  # on the host: the window's bounds are read without a device sync
-                x = ops.resized_crops(image[None], r[:, 0], r[:, 1], r[:, 2], r[:, 3], g.size, r[:, 4] > 0)[0]
+                # the row on the host: the window's bounds are read without a device sync
+                x = ops.resized_crops(image[None], row[None], g.size)[0]
             else:
                 x = ops.resize_center_crop(image, g.resize, g.size, g.mode)
             out[j] = ops.normalize(x[None] / 255, scale, shift)[0]

@@ -61,11 +61,13 @@ def resample(images, rows, cols):
     return torch.matmul(torch.matmul(rows.unsqueeze(1), images), cols.transpose(1, 2).unsqueeze(1))
 
 
-def resized_crops(images, top, left, height, width, size, flip):
-    """Each image's window (top, left, height, width), resized to size x size, flipped where `flip`, rounded to
-    whole levels: images (N, C, H, W) in [0, 255] (uint8 or float) -> float (N, C, size, size). A batch is two
-    batched products with resize_weights; one image whose window lies inside it, torch's interpolate of the
-    window, which computes the same weights without the products' zeros (a large image's crop costs ~4x less)."""
+def resized_crops(images, rows, size):
+    """Each image's window, resized to size x size, flipped where asked, rounded to whole levels: images (N, C, H, W)
+    in [0, 255] (uint8 or float) -> float (N, C, size, size); rows (N, >= 5): top, left, height, width, flip (> 0)
+    of each window, as a view's packed rows hold them (views.PACKED). A batch is two batched products with
+    resize_weights; one image whose window lies inside it, torch's interpolate of the window, which computes the
+    same weights without the products' zeros (a large image's crop costs ~4x less)."""
+    top, left, height, width, flip = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] > 0
     inside = len(images) == 1 and top.min() >= 0 and left.min() >= 0 and \
         (top + height).max() <= images.shape[-2] and (left + width).max() <= images.shape[-1]
     if inside:

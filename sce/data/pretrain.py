@@ -12,6 +12,7 @@ run's dtype and memory format on the device. Every route draws a view's paramete
 from (seed, epoch, index, view), so the routes give the same crops, flips and photometric parameters, and
 the tensor routes the same pixels (the PIL resize of --augment cpu differs from the tensor one by a level or
 two). An unreadable image is replaced by the next readable one, named once, and counted against max_bad."""
+import functools
 import os
 import time
 import warnings
@@ -22,7 +23,7 @@ from sce import UserError
 from sce.data import ops
 from sce.data.files import Encoded, decode_rgb_tensor, image_path
 from sce.data.jpeg import JpegDecoder
-from sce.data.preloading import preload
+from sce.data.preloading import preload, wanted
 from sce.data.views import Photometric, draw, pil_view
 from sce.preemption import ignore_stop_signals
 
@@ -33,7 +34,7 @@ def choose_route(augment, decode, preload_mode, device):
     """(the loader route: cpu, gpu or decode; whether to preload first), from --augment, --decode (resolved) and
     --preload. Preloading needs --augment gpu; a dataset that cannot be preloaded takes the loader route."""
     loader = "cpu" if augment == "cpu" else "decode" if decode == "device" else "gpu"
-    return loader, augment != "cpu" and (preload_mode == "device" or (preload_mode == "auto" and device.type == "cuda"))
+    return loader, augment != "cpu" and wanted(preload_mode, device)
 
 
 # ---------------------------------------------------------------- the workers' side
@@ -94,8 +95,7 @@ class Samples(torch.utils.data.Dataset):
 
 def crop(image, size, row):
     """One view's crop of one uint8 image (3, H, W) with its packed row (ops.resized_crops) -> uint8."""
-    return ops.resized_crops(image[None], row[None, 0], row[None, 1], row[None, 2], row[None, 3], size,
-                             row[None, 4] > 0)[0].to(torch.uint8)
+    return ops.resized_crops(image[None], row[None], size)[0].to(torch.uint8)
 
 
 def collate(samples, route):
@@ -119,21 +119,6 @@ def collate(samples, route):
                    torch.tensor(encoded, dtype=torch.long), crops, torch.tensor(cropped, dtype=torch.long), rows)
 
 
-def _collate_cpu(samples):
-    return collate(samples, "cpu")
-
-
-def _collate_gpu(samples):
-    return collate(samples, "gpu")
-
-
-def _collate_decode(samples):
-    return collate(samples, "decode")
-
-
-COLLATE = {"cpu": _collate_cpu, "gpu": _collate_gpu, "decode": _collate_decode}  # picklable, for spawned workers
-
-
 # ---------------------------------------------------------------- the device's side
 
 def finish_view(crops, rows, photometric, scale, shift, dtype, memory_format):
@@ -147,7 +132,7 @@ def finish_view(crops, rows, photometric, scale, shift, dtype, memory_format):
 
 def preloaded_view(images, rows, size, photometric, scale, shift, dtype, memory_format):
     """One view of a batch of preloaded uint8 images (N, 3, H, W) with its packed rows -> the normalised view."""
-    crops = ops.resized_crops(images, rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], size, rows[:, 4] > 0)
+    crops = ops.resized_crops(images, rows, size)
     return finish_view(crops, rows, photometric, scale, shift, dtype, memory_format)
 
 
@@ -202,7 +187,7 @@ class PretrainBatches:
             self.loader = torch.utils.data.DataLoader(
                 self.samples, batch_size=sampler.batch // sampler.world, sampler=sampler, num_workers=workers,
                 pin_memory=device.type == "cuda", drop_last=True, worker_init_fn=init_worker,
-                persistent_workers=workers > 0, collate_fn=COLLATE[route],
+                persistent_workers=workers > 0, collate_fn=functools.partial(collate, route=route),  # picklable
                 generator=torch.Generator().manual_seed(seed))
         self.decoder = JpegDecoder(device) if self.route == "decode" else None
 
@@ -281,9 +266,7 @@ class PretrainBatches:
                     out[v][j] = views[v].to(self.device).float()
                 continue
             for v, spec in enumerate(self.specs):  # the rows stay on the host: no sync for a window's bounds
-                r = rows[v][j:j + 1]
-                out[v][j] = ops.resized_crops(image[None], r[:, 0], r[:, 1], r[:, 2], r[:, 3], spec.size,
-                                              r[:, 4] > 0)[0]
+                out[v][j] = ops.resized_crops(image[None], rows[v][j:j + 1], spec.size)[0]
         return out, rows
 
     def _preloaded(self):
@@ -324,7 +307,7 @@ class PretrainBatches:
                                    spec.photometric, *settings) for v, spec in enumerate(self.specs)]
         compiled, self.compiled = self.compiled, Compiled(False)
         try:
-            return self.views(COLLATE[self.samples.route]([self.samples[(epoch, i)] for i in indices]), note_bad=False)
+            return self.views(collate([self.samples[(epoch, i)] for i in indices], self.samples.route), note_bad=False)
         finally:
             self.compiled = compiled
 
