@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sce import UserError, cli, data, outdir, transfer
 from sce import distributed as du
-from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
+from sce.checkpoint import checkpoint_arch, copy_atomic, load_trunk, save_atomic
 from sce.engine import compile_trunk, resolve_compile
 from sce.knn import knn_accuracy, split_features
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
@@ -345,9 +345,10 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
                                    ("val/acc1", acc1), ("val/acc5", acc5), ("val/loss", val_loss)]:
                     writer.add_scalar(tag, value, epoch + 1)
                 writer.flush()
-            save_atomic(state(epoch + 1), os.path.join(args.output_dir, "checkpoint_last.pth"))
+            last = os.path.join(args.output_dir, "checkpoint_last.pth")
+            save_atomic(state(epoch + 1), last)
             if is_best:
-                save_atomic(state(epoch + 1), os.path.join(args.output_dir, "model_best.pth"))
+                copy_atomic(last, os.path.join(args.output_dir, "model_best.pth"))
         if epoch + 1 < args.epochs and preemption.requested():
             if du.is_main():
                 print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)

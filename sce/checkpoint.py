@@ -19,8 +19,21 @@ from sce.builder import build_trunk
 
 
 def save_atomic(obj, path):
-    """Write to a temporary file in the same folder, fsync, then rename over `path`: a crash or a
+    """torch.save to a temporary file in the same folder, fsync, then rename over `path`: a crash or a
     full disk leaves the previous file intact."""
+    write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def copy_atomic(source, path):
+    """save_atomic of a file already written: its bytes copied, not serialised again."""
+    def copy(f):
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, f, 16 * 2 ** 20)
+    write_atomic(path, copy)
+
+
+def write_atomic(path, write):
+    """write(f) into a temporary file beside `path`, fsync, then rename over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
     # temp files of writers killed mid-write (SIGKILL, OOM): each is a full checkpoint, they would fill the disk;
@@ -34,7 +47,7 @@ def save_atomic(obj, path):
                 pass
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -72,9 +85,10 @@ def alive(pid):
 def save(state, output_dir, numbered=False, keep=0):
     """checkpoint_last.pth, plus checkpoint_NNNN.pth (NNNN = completed epochs) when `numbered`;
     keep > 0 keeps only the newest `keep` numbered copies."""
-    save_atomic(state, os.path.join(output_dir, "checkpoint_last.pth"))
+    last = os.path.join(output_dir, "checkpoint_last.pth")
+    save_atomic(state, last)
     if numbered:
-        save_atomic(state, os.path.join(output_dir, f"checkpoint_{state['epoch']:04d}.pth"))
+        copy_atomic(last, os.path.join(output_dir, f"checkpoint_{state['epoch']:04d}.pth"))
         if keep > 0:
             for old in sorted(numbered_checkpoints(output_dir))[:-keep]:
                 os.remove(old)
