@@ -42,7 +42,7 @@ def get_parser():
                          "scalars, feature cache", "seed of the head init, the shuffling, the probe's crops and the "
                          "logreg hold-out", "the trunk",
                          "the linear probe; a finished one reports its result again; --pretrained, if given, must "
-                         "hold the probe's trunk")
+                         "hold the probe's trunk", torchrun=True)
     g.add_argument("-p", "--print-freq", type=int, default=10, help="progress line every N steps")
     g.add_argument("--classifier", default="linear", choices=["linear", "knn", "logreg"],
                    help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
@@ -88,7 +88,8 @@ def main(argv=None):
     args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
     positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--crop-size": args.crop_size,
                 "--print-freq": args.print_freq, "--knn-k": args.knn_k, "--knn-t": args.knn_t,
-                "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter}
+                "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter,
+                "--dist-timeout": args.dist_timeout}
     at_least_zero = {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
                      "--warmup-epochs": args.warmup_epochs, "--seed": args.seed}
     cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
@@ -109,7 +110,7 @@ def main(argv=None):
         raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
     outdir.prepare(args.output_dir)  # every rank, before any work: none waits for one that stopped
 
-    _, _, _, device = du.init()
+    _, _, _, device = du.init(timeout_s=args.dist_timeout)
     lock = outdir.Lock(args.output_dir) if du.is_main() else None  # one run per folder, for its whole life
     try:
         evaluate(args, source, device)
@@ -311,7 +312,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
     if start_epoch == args.epochs and acc1 is None:  # a finished probe of an older version: measured again
         acc1, acc5, _ = validate(model, val_batches, device, args.amp)
     writer = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
-    preemption = Preemption(world, timeout_s=600)
+    preemption = Preemption(world, args.dist_timeout)
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * per_rank) * world)
     for epoch in range(start_epoch, args.epochs):

@@ -113,7 +113,7 @@ g = parser.add_argument_group("runtime")
 cli.add_runtime_args(g, os.path.join("runs", "sce"), "args.json, log.txt, checkpoints and TensorBoard logs",
                      "seed of the weights, the data order and every view",
                      "the encoders, the heads and the views (checkpoints stay interchangeable with eager runs)",
-                     "a finished run is said to be so")
+                     "a finished run is said to be so", torchrun=True)
 g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
 g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
                help=f"replay the training step from a CUDA graph after {GRAPH_WARMUP} eager steps: one launch instead "
@@ -128,7 +128,6 @@ g.add_argument("-p", "--print-freq", type=int, default=20, metavar="STEPS", help
 g.add_argument("--max-nonfinite-steps", type=int, default=20, metavar="N",
                help="stop once more than N consecutive steps were skipped (a non-finite loss or gradients; under "
                     "fp16 also GradScaler's overflow steps), checked at each progress line")
-g.add_argument("--dist-timeout", type=int, default=1800, metavar="SECONDS", help="timeout of collectives")
 g.add_argument("--preview-views", metavar="PNG", help="write a grid of the augmented views of 8 images (rows: images; "
                "columns: the views, labelled) to PNG and exit without training")
 g = parser.add_argument_group("kNN monitor")

@@ -98,10 +98,10 @@ def check_ranges(positive=(), at_least_zero=(), unit_interval=()):
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def add_runtime_args(g, output_dir, output_help, seed_help, compile_help, resume_help=None):
+def add_runtime_args(g, output_dir, output_help, seed_help, compile_help, resume_help=None, torchrun=False):
     """The flags every script shares, one spelling and one behaviour: -j/--workers, --amp, --compile, --seed,
-    --output-dir, and --resume where a script continues runs. A bare --amp is the former on/off switch:
-    torch.autocast's own dtype, fp16 on a GPU and bf16 on a CPU."""
+    --output-dir, --resume where a script continues runs, --dist-timeout where it runs under torchrun. A bare
+    --amp is the former on/off switch: torch.autocast's own dtype, fp16 on a GPU and bf16 on a CPU."""
     g.add_argument("-j", "--workers", type=int, default=default_workers(),
                    help="data-loading processes per rank (default: the node's cores / its ranks - 1, at most 16; "
                         f"here {default_workers()})")
@@ -120,6 +120,10 @@ def add_runtime_args(g, output_dir, output_help, seed_help, compile_help, resume
                        help=f"auto: continue from OUTPUT_DIR/checkpoint_last.pth if there is one ({resume_help}); a "
                             "checkpoint path: continue that one; none: start fresh (an OUTPUT_DIR holding a "
                             "checkpoint is refused) (default: auto)")
+    if torchrun:
+        g.add_argument("--dist-timeout", type=int, default=1800, metavar="SECONDS",
+                       help="timeout of the ranks' collectives, the agreement on a stop request included (default: "
+                            "1800)")
 
 
 def add_data_args(g, preload_help, datasets):
