@@ -302,7 +302,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset))
-    start_epoch, start_step, last_stats = resume(args, model, optimizer, scaler, rank, data_id)
+    start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id)
     # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
     unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
     writer = cli.summary_writer(args.output_dir) if rank == 0 and (unlogged or start_epoch < args.epochs) else None
@@ -342,8 +342,8 @@ def pretrain(args, rank, world_size, device, bn_splits):
     nonfinite, result, done = torch.zeros((), device=device), None, start_epoch
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch, start_step)
-        result = train_one_epoch(run, epoch, start_step, nonfinite)
-        nonfinite, start_step = result.nonfinite, 0
+        result = train_one_epoch(run, epoch, start_step, nonfinite, epoch_sums)
+        nonfinite, start_step, epoch_sums = result.nonfinite, 0, None
         if result.stopped_at is not None:  # a stop request mid-epoch
             break
         done = epoch + 1

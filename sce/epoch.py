@@ -60,10 +60,13 @@ class Epoch:
     stopped_at: int  # the step to resume from, when a stop was requested mid-epoch; else None
     stats: dict  # the epoch's averages (its line of log.txt) when it ended; else None
     nonfinite: torch.Tensor  # consecutive non-finite steps at its end, on the device (the next epoch goes on)
+    sums: list = None  # when stopped: the epoch's sums so far (finite steps, TERMS, finite losses), for the resume
 
 
-def train_one_epoch(run, epoch, start_step, nonfinite):
-    """One epoch from `start_step`, `nonfinite` consecutive non-finite steps before it (a device tensor)."""
+def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
+    """One epoch from `start_step`, `nonfinite` consecutive non-finite steps before it (a device tensor); `sums`:
+    the epoch's sums before start_step (Epoch.sums of the invocation that stopped), so that its line of log.txt
+    averages the whole epoch."""
     args, device = run.args, run.device
     if start_step >= run.steps_per_epoch:  # a mid-epoch checkpoint of more data (older ones do not record its size)
         raise UserError(f"the checkpoint stopped at step {start_step} of epoch {epoch + 1}, which now has "
@@ -72,6 +75,9 @@ def train_one_epoch(run, epoch, start_step, nonfinite):
     window = torch.zeros(1 + len(TERMS), device=device)  # finite steps, then the sums of TERMS (no host sync)
     epoch_sums = torch.zeros_like(window)
     finite_losses = torch.zeros((), device=device)  # steps of the epoch whose loss (not only gradients) was finite
+    if start_step and sums:
+        epoch_sums += torch.tensor(sums[:-1], device=device)
+        finite_losses += sums[-1]
     nonfinite = nonfinite.clone()
     window_start, window_steps, epoch_start, batches = time.time(), 0, time.time(), run.batches
     for i, views in enumerate(batches, start=start_step):
@@ -108,10 +114,10 @@ def train_one_epoch(run, epoch, start_step, nonfinite):
         # a stop request is agreed through a gloo all_reduce over the ranks: at most every 10 steps, not every one
         if (i + 1) % min(args.print_freq, CHECK_STEPS) == 0 and run.preemption.requested() \
                 and i + 1 < run.steps_per_epoch:
-            return Epoch(i + 1, None, nonfinite)
-    steps = run.steps_per_epoch - start_step
+            return Epoch(i + 1, None, nonfinite, epoch_sums.tolist() + [finite_losses.item()])
+    steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
     stats = dict(window_means(epoch_sums, steps), lr=lr, momentum=m, **{"lambda": lam},
-                 images_per_s=steps * args.batch_size / max(time.time() - epoch_start, 1e-9))
+                 images_per_s=(steps - start_step) * args.batch_size / max(time.time() - epoch_start, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
     # losses, overflowing gradients while it lowers its scale) are left to that flag
     if stats["skipped_steps"] == steps and not (run.training.scaler and finite_losses.item()):
@@ -205,7 +211,8 @@ def finish(run, result, done, data):
     if result.stopped_at is not None:
         if main_rank:
             checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, result.stopped_at,
-                                      done * run.steps_per_epoch + result.stopped_at, data), args.output_dir)
+                                      done * run.steps_per_epoch + result.stopped_at, data, epoch_sums=result.sums),
+                            args.output_dir)
             print(f"=> preempted: saved epoch {done} step {result.stopped_at} to {args.output_dir}; exiting with "
                   f"code {PREEMPTED_EXIT_CODE}", flush=True)
         du.barrier()

@@ -50,13 +50,16 @@ def check_ranks_agree(args):
                             "start every node with the same command and an --output-dir they all share")
 
 
-def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, data=None, epoch_stats=None):
+def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, data=None, epoch_stats=None,
+              epoch_sums=None):
     """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position
     (and `data`, the dataset's num_images and data_id (sce.data.fingerprint), which a mid-epoch position
     depends on);
-    epoch_stats: the log.txt line of the epoch just ended, written again by a rerun that lacks it."""
+    epoch_stats: the log.txt line of the epoch just ended, written again by a rerun that lacks it;
+    epoch_sums: mid-epoch, the sums of the steps done (sce.epoch.Epoch.sums), which its line will average."""
     return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
-            **(data or {}), "epoch_stats": epoch_stats, "args": vars(args), "model": model.state_dict(),
+            **(data or {}), "epoch_stats": epoch_stats, "epoch_sums": epoch_sums, "args": vars(args),
+            "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
@@ -100,11 +103,11 @@ def check_mid_epoch(path, ckpt, args, data):
 
 def resume(args, model, optimizer, scaler, rank, data=None):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
-    the checkpoint's epoch_stats (None without a checkpoint). An --epochs below the checkpoint's is refused.
-    data: the dataset's num_images and data_id."""
+    the checkpoint's epoch_stats and epoch_sums (None without a checkpoint, or one older than them). An --epochs
+    below the checkpoint's is refused. data: the dataset's num_images and data_id."""
     path = find_resume(args)
     if not path:
-        return 0, 0, None
+        return 0, 0, None, None
     ckpt = checkpoint.load(path)
     if ckpt.get("kind") != "pretrain":
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
@@ -135,4 +138,4 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     elif saved_gpus != gpus and rank == 0:  # one state per GPU: 8 do not map onto 4
         print(f"=> note: checkpoint saved the CUDA random state of {saved_gpus} GPUs, this run has "
               f"{gpus or 'none'}: continuing, but not bit-exact", flush=True)
-    return epoch, step, ckpt.get("epoch_stats")
+    return epoch, step, ckpt.get("epoch_stats"), ckpt.get("epoch_sums")

@@ -84,6 +84,10 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     assert_same_state(a["model"], b["model"])
     assert_same_state(a["optimizer"]["state"][0], b["optimizer"]["state"][0])
     assert a["scaler"] == b["scaler"]  # scale and growth tracker: the resumed scaler counted every step
+    # the resumed epoch's line of log.txt averages the whole epoch, its steps before the stop included
+    lines = [[json.loads(line) for line in open(tmp_path / run / "log.txt")] for run in ("ref", "run")]
+    terms = ("epoch", "loss", "infonce", "ressl", "ceil", "skipped_steps")
+    assert [[line[k] for k in terms] for line in lines[0]] == [[line[k] for k in terms] for line in lines[1]]
 
 
 def test_stop_requests_are_checked_every_print_freq_steps(small, tmp_path, monkeypatch):
@@ -199,7 +203,7 @@ def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus or 0)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    assert resume(args, model, optimizer, None, 0) == (1, 0, None)
+    assert resume(args, model, optimizer, None, 0) == (1, 0, None, None)
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> note")]
     assert notes == ([note] if note else [])
     assert len(restored) == (saved == gpus)
