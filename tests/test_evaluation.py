@@ -388,6 +388,28 @@ def test_knn_monitor_reads_tiny_imagenet_and_gives_lincls_number(tmp_path):
     assert (monitor["knn_top1"], monitor["knn_top5"]) == (lincls["acc1"], lincls["acc5"])
 
 
+def test_knn_max_train_takes_a_seeded_subset_as_the_bank(tmp_path):
+    """--knn-max-train N: the monitor's bank is N train images drawn from its seed, the same at every call."""
+    from sce.knn import knn_accuracy
+    root = write_imagefolder(tmp_path / "knn", 3, 10, 4)
+    train, _, classes = sce_data.eval_splits("imagefolder", root, 4, True, CPU)
+    seen = []
+
+    class Recording(torch.nn.Flatten):
+        def forward(self, x):
+            seen.append(x.clone())
+            return super().forward(x)
+    knn_accuracy(Recording(), train, train, classes, k=1)
+    assert [len(x) for x in seen] == [30, 30]  # without it: the whole split
+    banks = []
+    for seed in (1, 1, 2):
+        seen.clear()
+        knn_accuracy(Recording(), train, train, classes, k=1, max_train=5, seed=seed)
+        assert [len(x) for x in seen] == [5, 30]  # the bank, then the queries
+        banks.append(seen[0])
+    assert torch.equal(banks[0], banks[1]) and not torch.equal(banks[0], banks[2])  # drawn from the seed
+
+
 def test_knn_monitor_reads_cifar_batches(tmp_path):
     write_cifar(tmp_path)
     train, val, classes = sce_data.eval_splits("cifar10", str(tmp_path), 16, True, CPU)
