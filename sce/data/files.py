@@ -390,6 +390,16 @@ class UnreadableImage(UserError):
                    "image)")
 
 
+def skip_unreadable(dataset, new, total, max_bad):
+    """Pretraining replaces an unreadable image by the next readable one: name each one newly met ({index: reason})
+    in a warning, and stop once there are more than --max-bad-images in all (`total`)."""
+    for i, reason in sorted(new.items()):
+        print(f"warning: skipping unreadable image {image_path(dataset, i)} ({reason})", flush=True)
+    if total > max_bad:
+        raise UserError(f"{total} unreadable images, more than --max-bad-images {max_bad}: fix or remove them (see "
+                        "the warnings above)")
+
+
 def unwrap(dataset, i):
     """(the dataset under any Subsets, and image i's index there)."""
     while isinstance(dataset, torch.utils.data.Subset):

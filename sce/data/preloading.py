@@ -12,7 +12,7 @@ import torch
 import torchvision.transforms.functional as TF
 
 from sce import UserError
-from sce.data.files import Encoded, UnreadableImage, decode_rgb_tensor, image_path
+from sce.data.files import Encoded, UnreadableImage, decode_rgb_tensor, image_path, skip_unreadable
 from sce.preemption import ignore_stop_signals
 from sce.progress import Progress
 
@@ -162,11 +162,7 @@ def _replace_bad(images, bad, dataset, max_bad):
     if max_bad is None:  # an evaluation: every image counts, none is replaced
         first = min(bad)
         raise UnreadableImage.of(dataset, first, bad[first], len(bad) - 1)
-    for i, reason in sorted(bad.items()):
-        print(f"warning: skipping unreadable image {image_path(dataset, i)} ({reason})", flush=True)
-    if len(bad) > max_bad:
-        raise UserError(f"{len(bad)} unreadable images, more than --max-bad-images {max_bad}: "
-                        "fix or remove them (see the warnings above)")
+    skip_unreadable(dataset, bad, len(bad), max_bad)
     if len(bad) == len(images):
         raise UserError(f"no image of the dataset is readable ({image_path(dataset, 0)}: {bad[0]}): check --data")
     for i in bad:  # the next readable image, as the loader does

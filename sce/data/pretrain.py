@@ -21,7 +21,7 @@ import torch
 
 from sce import UserError
 from sce.data import ops
-from sce.data.files import Encoded, decode_rgb_tensor, image_path
+from sce.data.files import Encoded, decode_rgb_tensor, image_path, skip_unreadable
 from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
 from sce.data.views import Photometric, draw, pil_view
@@ -288,13 +288,9 @@ class PretrainBatches:
         """Name each unreadable image once (it was replaced by a readable one); stop past max_bad."""
         if not bool((bad >= 0).any()):
             return
-        for index, reason in zip(bad.tolist(), reasons):
-            if index >= 0 and index not in self.bad_seen:
-                self.bad_seen[index] = reason
-                print(f"warning: skipping unreadable image {image_path(self.dataset, index)} ({reason})", flush=True)
-        if len(self.bad_seen) > self.max_bad:
-            raise UserError(f"{len(self.bad_seen)} unreadable images, more than --max-bad-images {self.max_bad}: "
-                            "fix or remove them (see the warnings above)")
+        new = {i: reason for i, reason in zip(bad.tolist(), reasons) if i >= 0 and i not in self.bad_seen}
+        self.bad_seen.update(new)
+        skip_unreadable(self.dataset, new, len(self.bad_seen), self.max_bad)
 
     def views_of(self, indices, epoch=0):
         """The views of images `indices` in `epoch` as this route makes them, eagerly (--preview-views)."""
