@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sce import UserError, cli, data, outdir, transfer
 from sce import distributed as du
-from sce.checkpoint import checkpoint_arch, copy_atomic, load_trunk, save_atomic
+from sce.checkpoint import checkpoint_arch, copy_atomic, load_trunk, refuse_fewer_epochs, save_atomic
 from sce.engine import compile_trunk, resolve_compile
 from sce.knn import knn_accuracy, split_features
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
@@ -295,10 +295,7 @@ def run_linear(args, model, feat_dim, ckpt, source, device):
         acc1, acc5 = ckpt.get("acc1"), ckpt.get("acc5")
         if start_step and rank == 0:  # the epoch's sums so far, over every rank
             sums += torch.tensor(ckpt["epoch_sums"], dtype=torch.float64, device=device)
-        begun = start_epoch + (start_step > 0)
-        if begun > args.epochs:
-            raise UserError(f"{source} is at epoch {begun}, --epochs {args.epochs} is below it: pass --epochs "
-                            f"{begun} or more to continue it, or another --output-dir to start afresh")
+        refuse_fewer_epochs(source, start_epoch, start_step, args.epochs)
         if du.is_main():
             print(f"=> resumed from {source} at epoch {start_epoch}" + (f" step {start_step}" if start_step else "")
                   + f" (best Acc@1 {best_acc1:.2f})", flush=True)

@@ -65,6 +65,15 @@ def write_atomic(path, write):
                         "space or pass another --output-dir); the previous checkpoint is kept") from e
 
 
+def refuse_fewer_epochs(path, epoch, step_in_epoch, epochs):
+    """A checkpoint at `epoch` (and `step_in_epoch` into the next) continued with --epochs `epochs`: refused when
+    it is already past them (main_pretrain.py and main_lincls.py alike)."""
+    begun = epoch + (step_in_epoch > 0)
+    if begun > epochs:
+        raise UserError(f"{path} is at epoch {begun}, --epochs {epochs} is below it: pass --epochs {begun} or more "
+                        "to continue it, or another --output-dir to start afresh")
+
+
 def alive(pid):
     """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended)."""
     if os.path.isdir("/proc"):

@@ -126,10 +126,7 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
-    begun = epoch + (step > 0)
-    if begun > args.epochs:
-        raise UserError(f"the checkpoint is at epoch {begun}, --epochs {args.epochs} is below it: pass --epochs "
-                        f"{begun} or more to continue it, or another --output-dir to start afresh")
+    checkpoint.refuse_fewer_epochs(path, epoch, step, args.epochs)
     if rank == 0:
         print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
     saved_gpus, gpus = len(ckpt["rng"]["cuda"]), torch.cuda.device_count() if torch.cuda.is_available() else 0
