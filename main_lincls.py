@@ -21,7 +21,7 @@ from sce.checkpoint import checkpoint_arch, copy_atomic, load_trunk, refuse_fewe
 from sce.engine import compile_trunk, resolve_compile
 from sce.knn import knn_accuracy, split_features
 from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
-from sce.preemption import CHECK_STEPS, PREEMPTED_EXIT_CODE, Preemption
+from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
 from sce.progress import Progress
 
 
@@ -250,7 +250,7 @@ def train_one_epoch(args, ddp, train_batches, optimizer, scaler, epoch, start, s
             if du.is_main():
                 print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
                       f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
-        if (i + 1) % min(args.print_freq, CHECK_STEPS) == 0 and i + 1 < steps and preemption.requested():
+        if preemption.stop_within_epoch(i + 1, steps, args.print_freq):
             check_finite(first_bad, epoch)
             return i + 1
     return None

@@ -16,7 +16,7 @@ from sce import distributed as du
 from sce.builder import momentum_at
 from sce.engine import Step, Training
 from sce.optim import cosine_lr, scheduled, set_lr
-from sce.preemption import CHECK_STEPS, PREEMPTED_EXIT_CODE, Preemption
+from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
 from sce.progress import format_eta
 from sce.resume import run_state
 
@@ -111,9 +111,7 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
                 log_progress(run, epoch, i, step, stats, elapsed / window_steps)
             window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
-        # a stop request is agreed through a gloo all_reduce over the ranks: at most every 10 steps, not every one
-        if (i + 1) % min(args.print_freq, CHECK_STEPS) == 0 and run.preemption.requested() \
-                and i + 1 < run.steps_per_epoch:
+        if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
             return Epoch(i + 1, None, nonfinite, epoch_sums.tolist() + [finite_losses.item()])
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
     stats = dict(window_means(epoch_sums, steps), lr=lr, momentum=m, **{"lambda": lam},

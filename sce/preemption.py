@@ -46,6 +46,12 @@ class Preemption:
         dist.all_reduce(flag, group=self.group)
         return bool(flag.item())
 
+    def stop_within_epoch(self, done, steps, print_freq):
+        """After `done` of an epoch's `steps` steps: whether every rank stops here, mid-epoch. A stop request is
+        agreed (a gloo all_reduce) every min(print_freq, CHECK_STEPS) steps, not at every step; never at the
+        epoch's last step, after which the epoch's end saves and looks again."""
+        return done % min(print_freq, CHECK_STEPS) == 0 and done < steps and self.requested()
+
     def exit(self, writer):
         """Leave with PREEMPTED_EXIT_CODE once saved. Later signals are ignored: torchrun re-sends
         SIGTERM to a rank whose peer exited first, and Python restores the default (fatal) handler
