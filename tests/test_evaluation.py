@@ -2,6 +2,8 @@
 learning, frozen trunk, the same batches preloaded, read by the loader or decoded on the device), kNN against
 brute force (and the kNN monitor of main_pretrain.py giving main_lincls.py's number), the many-shot logistic
 regression and its feature cache."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -13,8 +15,8 @@ import torch.nn.functional as F
 import torchvision.transforms as T
 from PIL import Image
 
-from conftest import (TINY, fake_compile, load, no_triton, run_script, write_cifar, write_imagefolder,
-                      write_tiny_imagenet)
+from conftest import (TINY, exit_message, fake_compile, load, no_triton, script_in_process, write_cifar,
+                      write_imagefolder, write_tiny_imagenet)
 import main_lincls
 import main_pretrain
 from sce import UserError, data as sce_data
@@ -26,10 +28,6 @@ from sce.metrics import average_precision_11point, top1_accuracy
 from sce.transfer import select_logreg
 
 CPU = torch.device("cpu")
-
-
-def lincls(*args):
-    return run_script(["main_lincls.py", *map(str, args), "--workers", "0"])
 
 
 def lincls_here(capsys, *args):
@@ -62,9 +60,11 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def contract_run(pretrained, folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("lincls_out")
-    proc = lincls("--data", folder, "--pretrained", pretrained, "--arch", "resnet18", "--small-input",
-                  "--crop-size", "32", "--epochs", "1", "--batch-size", "16", "--output-dir", out)
-    return out, proc
+    with script_in_process(), contextlib.redirect_stdout(io.StringIO()) as said:  # its __main__, in this process
+        assert exit_message("main_lincls.py", "--data", folder, "--pretrained", pretrained, "--arch", "resnet18",
+                            "--small-input", "--crop-size", "32", "--epochs", "1", "--batch-size", "16",
+                            "--output-dir", out, "--workers", "0") is None
+    return out, said.getvalue()
 
 
 def test_step_schedule_decays_at_the_milestones(pretrained, folder, tmp_path, capsys):
@@ -76,16 +76,16 @@ def test_step_schedule_decays_at_the_milestones(pretrained, folder, tmp_path, ca
 
 def test_contract_command_trains_only_the_head(contract_run, pretrained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    out, proc = contract_run
-    assert "Acc@1" in proc.stdout and "Acc@5" in proc.stdout
-    assert re.search(r"Epoch \[1/1\]\[2/2\] loss \S+ lr 30 24/24 images, \d+ images/s, ETA 0:00:00", proc.stdout)
+    out, stdout = contract_run
+    assert "Acc@1" in stdout and "Acc@5" in stdout
+    assert re.search(r"Epoch \[1/1\]\[2/2\] loss \S+ lr 30 24/24 images, \d+ images/s, ETA 0:00:00", stdout)
     scalars = EventAccumulator(str(out)).Reload().Tags()["scalars"]
     assert {"train/loss", "train/lr", "val/acc1", "val/acc5"} <= set(scalars)
     ckpt = load(str(out / "checkpoint_last.pth"))
     assert ckpt["kind"] == "lincls" and ckpt["epoch"] == 1
     assert ckpt["args"]["arch"] == "resnet18" and ckpt["args"]["small_input"] is True
     assert ckpt["model"]["fc.weight"].shape == (3, 512)
-    assert (out / "model_best.pth").exists()
+    assert (out / "model_best.pth").read_bytes() == (out / "checkpoint_last.pth").read_bytes()  # its 1st epoch
     # every trunk tensor, BN running statistics included, is the pretrained one
     assert same_trunk(pretrained, str(out / "checkpoint_last.pth"))
     load_trunk(str(out / "checkpoint_last.pth"))  # its checkpoints are trunks for the other tools

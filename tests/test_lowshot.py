@@ -1,4 +1,6 @@
 """main_lowshot.py and the VOC07 helpers: reader, draws, SVM mAP, difficult labels, contract command, bad input."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import run_script
+from conftest import exit_message, script_in_process
 from sce import UserError
 from sce.data import read_voc07
 from sce.metrics import VOC_CLASSES, average_precision
@@ -57,9 +59,10 @@ def voc(tmp_path_factory):
 def contract_run(pretrained, voc, tmp_path_factory):
     out = tmp_path_factory.mktemp("lowshot_out")
     # the contract command; the checkpoint's 32 px small-input trunk gets the input size it was pretrained at
-    proc = run_script(["main_lowshot.py", "--data", voc[0], "--pretrained", pretrained, "--arch", "resnet18",
-                       "--shots", "1", "2", "full", "--runs", "2", "--output-dir", str(out), "--workers", "0"])
-    return out, proc
+    with script_in_process(), contextlib.redirect_stdout(io.StringIO()) as said:  # its __main__, in this process
+        assert exit_message("main_lowshot.py", "--data", voc[0], "--pretrained", pretrained, "--arch", "resnet18",
+                            "--shots", "1", "2", "full", "--runs", "2", "--output-dir", out, "--workers", "0") is None
+    return out, said.getvalue()
 
 
 def test_read_voc07(voc):
@@ -71,7 +74,7 @@ def test_read_voc07(voc):
 
 
 def test_contract_command(contract_run):
-    out, proc = contract_run
+    out, stdout = contract_run
     with open(out / "lowshot.json") as f:
         report = json.load(f)
     assert [r["shots"] for r in report["results"]] == [1, 2, "full"]
@@ -84,9 +87,9 @@ def test_contract_command(contract_run):
         assert r["mean"] == pytest.approx(max(means.values()))
     assert report["results"][0]["draws"][0]["images"] == 20 and report["results"][2]["draws"][0]["images"] == 24
     assert report["difficult"] == "negative"  # PCL's handling by default
-    assert "±" in proc.stdout and "optimistic" in proc.stdout
-    assert "trainval features: 24/24 images" in proc.stdout and "images/s, ETA" in proc.stdout
-    assert "input 32 px (the crop size the small-input trunk was pretrained with), resized to 32" in proc.stdout
+    assert "±" in stdout and "optimistic" in stdout
+    assert "trainval features: 24/24 images" in stdout and "images/s, ETA" in stdout
+    assert "input 32 px (the crop size the small-input trunk was pretrained with), resized to 32" in stdout
     assert len([f for f in os.listdir(out) if f.startswith("features_")]) == 2
 
 
