@@ -252,6 +252,22 @@ def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
     assert not [f for f in os.listdir(out) if ".tmp" in f]
 
 
+def test_disk_full_while_copying_the_numbered_checkpoint_keeps_the_last(tmp_path, monkeypatch):
+    """The numbered copy (checkpoint.copy_atomic) failing on a full disk: one line naming it, checkpoint_last.pth
+    written whole, no numbered file and no temporary file left."""
+    def full_disk(src, dst, *a):
+        dst.write(b"PK\x03\x04 partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(shutil, "copyfileobj", full_disk)
+    with pytest.raises(UserError) as err:
+        checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)
+    message = str(err.value)
+    assert "\n" not in message and f"could not write checkpoint {tmp_path / 'checkpoint_0010.pth'}" in message
+    assert "No space left on device" in message
+    assert checkpoint.load(str(tmp_path / "checkpoint_last.pth"))["epoch"] == 10
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.pth"]
+
+
 def test_a_checkpoint_write_failing_otherwise_than_oserror_is_one_line(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint_last.pth"
     checkpoint.save_atomic({"epoch": 1}, str(path))
