@@ -5,23 +5,23 @@ logistic regression (--classifier logreg).
     python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
     torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
 """
-import json
-import math
 import os
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from sce import UserError, cli, data, outdir, transfer
+from sce import UserError, cli, data, outdir, timing, transfer
 from sce import distributed as du
-from sce.checkpoint import checkpoint_arch, copy_atomic, load_trunk, refuse_fewer_epochs, save_atomic
-from sce.engine import compile_trunk, resolve_compile
-from sce.knn import knn_accuracy, split_features
-from sce.optim import build_optimizer, cosine_lr, load_optimizer_state, set_lr
-from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
+from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs
+from sce.compiling import Log
+from sce.engine import resolve_compile
+from sce.frozen import load_frozen, split_features
+from sce.knn import knn_accuracy
+from sce.optim import build_optimizer, load_optimizer_state
+from sce.preemption import Preemption, stop
+from sce.probe import (Head, Probe, Run, check_frozen, check_resume, end_epoch, make_head, state, train_one_epoch,
+                       validate)
 from sce.progress import Progress
 
 
@@ -123,101 +123,124 @@ def main(argv=None):
 def evaluate(args, source, device):
     args.compile = resolve_compile(args.compile, device)
     args.decode = data.resolve_decode(args.decode, device)
-    trunk, feat_dim, ckpt = load_trunk(source, args.arch, args.small_input, "online" if args.resume else args.encoder)
-    args.arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
-    args.small_input = isinstance(trunk.maxpool, nn.Identity)
-    named = trunk  # the trunk --pretrained names, which a resumed probe must hold
+    compiles = Log()
+    frozen = load_frozen(source, args.arch, args.small_input, "online" if args.resume else args.encoder, device,
+                         args.compile, compiles)
+    args.arch, args.small_input = frozen.arch, frozen.small_input
+    named = frozen.trunk  # the trunk --pretrained names, which a resumed probe must hold
     if args.resume and args.pretrained:
         named = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)[0]
-        if outdir.trunk_digest(named) != outdir.trunk_digest(trunk):
+        if outdir.trunk_digest(named) != outdir.trunk_digest(frozen.trunk):
             raise UserError(f"{args.resume} is a probe of another trunk than {args.pretrained}'s: pass another "
                             "--output-dir (or --resume none into an empty one) to probe this trunk")
-    if args.resume and ckpt.get("data") and (ckpt["args"]["dataset"], ckpt["data"]) != (args.dataset,
-                                                                                      os.path.abspath(args.data)):
-        raise UserError(f"{args.resume} is a probe on other data (--dataset {ckpt['args'].get('dataset')} --data "
-                        f"{ckpt.get('data')}): pass that data to continue it, or another --output-dir")
+    if args.resume:
+        check_resume(args.resume, frozen.ckpt, args, args.data)
     if du.is_main():
         outdir.bind_evaluation(args.output_dir, args.pretrained or source, named, args.dataset, args.data)
-    args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, ckpt.get("args"),
+    args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, frozen.ckpt.get("args"),
                                                        args.dataset)
     if du.is_main():
-        print(f"=> {args.arch}{' (small input)' if args.small_input else ''} trunk ({feat_dim}-d) "
-              f"from {source}; input {args.crop_size} px ({why})", flush=True)
+        print(f"=> {frozen.describe()} from {source}; input {args.crop_size} px ({why})", flush=True)
         if warning:
             print(warning, flush=True)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    trunk.to(device)
-    if args.compile:
-        compile_trunk(trunk)  # keeps the state-dict keys: the checkpoints stay those of an eager run
     if args.classifier == "linear":
-        run_linear(args, trunk, feat_dim, ckpt, source, device)
+        linear(args, frozen, source, device, timing.Split(compiles))
     elif args.classifier == "knn":
-        run_knn(args, trunk, device)
+        run_knn(args, frozen, device)
     else:
-        run_logreg(args, trunk, source, device)
+        run_logreg(args, frozen, source, device)
 
 
 def splits(args, device, augment_train):
-    """(train, val, number of classes), sce.data.EvalSplits as the evaluation reads them."""
+    """(train, val, number of classes), sce.data.EvalSplits as the evaluations read them."""
     return data.eval_splits(args.dataset, args.data, args.crop_size, args.small_input, device, args.preload,
                             args.decode, args.workers, augment_train, seed=args.seed, budget=data.Budget(device))
 
 
 def write_results(args, results, name=None):
-    with open(os.path.join(args.output_dir, f"results_{name or args.classifier}.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    outdir.write_json(os.path.join(args.output_dir, f"results_{name or args.classifier}.json"), results)
 
 
 # ---------------------------------------------------------------- linear classifier
 
-def check_frozen(model, reference):
-    """Stop if any trunk tensor (weights and BN buffers) differs from `reference`."""
-    for k, v in model.state_dict().items():
-        if k in reference and not torch.equal(v, reference[k]):
-            raise RuntimeError(f"trunk tensor {k} changed during linear training: the trunk must stay "
-                               "frozen (requires_grad False, eval mode); this is a bug, please report it")
+def linear(args, frozen, source, device, split):
+    """The linear probe: epochs of the head's steps on the frozen trunk's features (sce.probe), each validated and
+    saved in the background; a stop request saves and leaves as pretraining's does. --evaluate: the val accuracy of
+    a trained head."""
+    rank, world = du.rank(), du.world_size()
+    if args.batch_size % world:
+        raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
+    train, val, num_classes = splits(args, device, augment_train=True)
+    head = make_head(frozen.feat_dim, num_classes, device)
+    load_head(head, frozen.ckpt, source, args, num_classes)
+    reference = {k: v.detach().clone() for k, v in frozen.trunk.state_dict().items()}
+    sampler = data.ShuffledShards(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    probe = Probe.of(args, sampler.num_samples, cli.AMP[args.amp])
+    # DDP all-reduces the head's gradients: the trunk is not trained
+    ddp = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world > 1 else head
+    optimizer = build_optimizer(args.optimizer, head, args.lr, args.weight_decay, args.sgd_momentum,
+                                exclude_bias_norm=True)
+    model = Head(frozen, head, ddp, optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"))
+    if args.evaluate:
+        acc1, acc5, loss = validate(probe, model, val.batches(probe.per_rank), device)
+        if du.is_main():
+            print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
+            write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
+        return
+    start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device)
+    tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
+    run = Run(args, probe, model, train.batches(probe.per_rank, sampler), val.batches(probe.per_rank), device,
+              Preemption(world, args.dist_timeout), tensorboard, Writer(), split)
+    if start_epoch == args.epochs and acc[0] is None:  # a finished probe of an older version: measured again
+        acc = validate(probe, model, run.val, device)[:2]
+    # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
+    progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * probe.per_rank) * world)
+    split.loop()
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            sampler.set_epoch(epoch, start_step * probe.per_rank)
+            stopped_at = train_one_epoch(run, epoch, start_step, sums, progress)
+            if stopped_at is not None:  # a stop request mid-epoch: save the exact position and leave
+                stopped = state(run, epoch, stopped_at, du.all_reduce_sum(sums.clone()).tolist(), best, acc)
+                stop(run.preemption, tensorboard, f"epoch {epoch} step {stopped_at} to {args.output_dir}",
+                     lambda: save_now(run.checkpoints, stopped, args.output_dir))
+            start_step = 0
+            if epoch == start_epoch:
+                check_frozen(frozen.trunk, reference)
+            best, acc = end_epoch(run, epoch, sums, best)
+            if epoch + 1 < args.epochs and run.preemption.requested():
+                stop(run.preemption, tensorboard, f"epoch {epoch + 1}", run.checkpoints.wait)
+        run.checkpoints.wait()
+    except BaseException:
+        run.checkpoints.wait(quiet=True)  # a failure waits for the save in flight too
+        raise
+    finally:  # however the loop ended: complete, stopped (exit 75) or failed
+        split.done()
+        if du.is_main():
+            timed = split.write(args.output_dir, epochs=[start_epoch, args.epochs])
+    if tensorboard:
+        tensorboard.close()
+    if du.is_main():
+        if start_epoch == args.epochs:
+            print(f"=> the probe in {args.output_dir} is already complete ({args.epochs} epochs): its result is "
+                  "reported again; raise --epochs to train longer", flush=True)
+        print(f"Acc@1 {acc[0]:.2f} (best Acc@1 {best:.2f})", flush=True)
+        write_results(args, {"acc1": acc[0], "acc5": acc[1], "best_acc1": best, "epochs": args.epochs,
+                             "pretrained": os.path.abspath(args.pretrained or source), "timing": timed})
 
 
-def check_finite(first_bad, epoch):
-    """Stops the run at the first non-finite loss, noted on the device as (step, loss)."""
-    step, loss = first_bad.tolist()
-    if step >= 0:
-        raise UserError(f"loss is {loss} at epoch {epoch + 1} step {int(step) + 1}: lower --lr")
-
-
-@torch.no_grad()
-def validate(model, val_batches, device, amp):
-    """(Acc@1, Acc@5, mean loss) over the val images of every rank."""
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
-    for images, target in val_batches:
-        with cli.autocast(device, amp):
-            out = model(images).float()
-        hit = out.topk(min(5, out.shape[1]), dim=1).indices == target[:, None]
-        totals += torch.stack([F.cross_entropy(out, target, reduction="sum").double(),
-                               hit[:, :1].any(1).sum().double(), hit.any(1).sum().double(),
-                               torch.full((), len(target), dtype=torch.float64, device=device)])  # a fill: no copy
-    totals = du.all_reduce_sum(totals)
-    n = max(totals[3].item(), 1.0)
-    return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
-
-
-def attach_head(model, feat_dim, num_classes, ckpt, source, args, device):
-    """A torchvision ResNet again: the frozen trunk plus a linear fc, N(0, 0.01) weights and zero bias,
-    or the trained head of a main_lincls.py checkpoint (--resume, --evaluate)."""
-    model.fc = nn.Linear(feat_dim, num_classes).to(device)
-    nn.init.normal_(model.fc.weight, 0.0, 0.01)
-    nn.init.zeros_(model.fc.bias)
-    for name, p in model.named_parameters():
-        p.requires_grad = name.startswith("fc.")
+def load_head(head, ckpt, source, args, num_classes):
+    """The trained head of a main_lincls.py checkpoint (--resume, --evaluate) into `head`."""
     if ckpt.get("kind") == "lincls" and (args.resume or args.evaluate):
-        head = {k[3:]: v for k, v in ckpt["model"].items() if k.startswith("fc.")}
-        if head["weight"].shape != model.fc.weight.shape:
-            raise UserError(f"{source} has a {head['weight'].shape[0]}-class head but {args.data} has "
+        weights = {k[3:]: v for k, v in ckpt["model"].items() if k.startswith("fc.")}
+        if weights["weight"].shape != head.weight.shape:
+            raise UserError(f"{source} has a {weights['weight'].shape[0]}-class head but {args.data} has "
                             f"{num_classes} classes")
-        model.fc.load_state_dict(head)
+        head.load_state_dict(weights)
     elif args.resume:
         raise UserError(f"--resume {source} is not a main_lincls.py checkpoint (kind "
                         f"{ckpt.get('kind')!r}): pass it as --pretrained")
@@ -225,141 +248,29 @@ def attach_head(model, feat_dim, num_classes, ckpt, source, args, device):
         raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --pretrained")
 
 
-def train_one_epoch(args, ddp, train_batches, optimizer, scaler, epoch, start, steps, sums, progress, preemption,
-                    device):
-    """The head's steps of one epoch from step `start` of its `steps`; sums: this rank's (loss sum, images) of
-    the epoch so far, a device tensor added to. Returns the step to resume from if a stop was requested (its
-    state is for the caller to save), else None."""
-    first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
-    for i, (images, target) in enumerate(train_batches, start=start):
-        if args.schedule == "cosine":
-            set_lr(optimizer, cosine_lr(epoch * steps + i, args.epochs * steps, args.lr, args.warmup_epochs * steps))
-        with cli.autocast(device, args.amp):
-            loss = F.cross_entropy(ddp(images).float(), target)
-        # noted on the device, checked at the progress lines: no host sync per step
-        bad_now = torch.stack([torch.full_like(loss, i), loss.detach()])
-        first_bad = torch.where((first_bad[0] < 0) & ~torch.isfinite(loss), bad_now, first_bad)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        sums += torch.stack([loss.detach().double() * len(images), sums.new_tensor(float(len(images)))])
-        progress.update(len(images) * du.world_size())
-        if (i + 1) % args.print_freq == 0 or i + 1 == steps:
-            check_finite(first_bad, epoch)
-            if du.is_main():
-                print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{steps}] loss {loss.item():.4f} "
-                      f"lr {optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
-        if preemption.stop_within_epoch(i + 1, steps, args.print_freq):
-            check_finite(first_bad, epoch)
-            return i + 1
-    return None
-
-
-def run_linear(args, model, feat_dim, ckpt, source, device):
-    rank, world = du.rank(), du.world_size()
-    if args.batch_size % world:
-        raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
-    train_ds, val_ds, num_classes = splits(args, device, augment_train=True)
-    attach_head(model, feat_dim, num_classes, ckpt, source, args, device)
-    model.eval()  # BN of the trunk keeps its statistics: only fc learns
-    reference = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("fc.")}
-
-    per_rank = args.batch_size // world
-    sampler = data.ShuffledShards(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    steps = math.ceil(sampler.num_samples / per_rank)
-    train_batches = train_ds.batches(per_rank, sampler)
-    val_batches = val_ds.batches(per_rank)  # every val image on one rank
-
-    if args.evaluate:
-        acc1, acc5, loss = validate(model, val_batches, device, args.amp)
-        if du.is_main():
-            print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
-            write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
-        return
-
-    # DDP only all-reduces parameters that require grad: here those of fc
-    ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-           if world > 1 else model)
-    optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, args.sgd_momentum,
-                                exclude_bias_norm=True)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    start_epoch, start_step, best_acc1 = 0, 0, -1.0  # the first evaluated epoch is always the best so far
+def resume_probe(args, model, source, device):
+    """(epoch, step in it, best Acc@1, the last (Acc@1, Acc@5), the epoch's sums so far on this rank) to start
+    from: a resumed probe's, else the start's."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and images of the epoch
-    acc1 = acc5 = None
-    if args.resume:
-        load_optimizer_state(optimizer, ckpt["optimizer"])
-        if ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step_in_epoch", 0), ckpt.get("best_acc1", 0.0)
-        acc1, acc5 = ckpt.get("acc1"), ckpt.get("acc5")
-        if start_step and rank == 0:  # the epoch's sums so far, over every rank
-            sums += torch.tensor(ckpt["epoch_sums"], dtype=torch.float64, device=device)
-        refuse_fewer_epochs(source, start_epoch, start_step, args.epochs)
-        if du.is_main():
-            print(f"=> resumed from {source} at epoch {start_epoch}" + (f" step {start_step}" if start_step else "")
-                  + f" (best Acc@1 {best_acc1:.2f})", flush=True)
-
-    def state(epoch, step_in_epoch=0, epoch_sums=None):
-        return {"kind": "lincls", "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_sums": epoch_sums,
-                "args": vars(args), "data": os.path.abspath(args.data), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "best_acc1": best_acc1,
-                "acc1": acc1, "acc5": acc5}
-
-    if start_epoch == args.epochs and acc1 is None:  # a finished probe of an older version: measured again
-        acc1, acc5, _ = validate(model, val_batches, device, args.amp)
-    writer = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
-    preemption = Preemption(world, args.dist_timeout)
-    # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
-    progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * per_rank) * world)
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch, start_step * per_rank)
-        if args.schedule == "step":
-            set_lr(optimizer, args.lr * 0.1 ** sum(epoch >= m for m in args.milestones))
-        stopped_at = train_one_epoch(args, ddp, train_batches, optimizer, scaler, epoch, start_step, steps, sums,
-                                     progress, preemption, device)
-        if stopped_at is not None:  # a stop request mid-epoch: save the exact position and leave
-            totals = du.all_reduce_sum(sums.clone()).tolist()
-            if du.is_main():
-                save_atomic(state(epoch, stopped_at, totals), os.path.join(args.output_dir, "checkpoint_last.pth"))
-                print(f"=> preempted: saved epoch {epoch} step {stopped_at} to {args.output_dir}; exiting with code "
-                      f"{PREEMPTED_EXIT_CODE}", flush=True)
-            du.barrier()
-            preemption.exit(writer)
-        start_step = 0
-        if epoch == start_epoch:
-            check_frozen(model, reference)
-        totals = du.all_reduce_sum(sums.clone())
-        train_loss = (totals[0] / totals[1].clamp(min=1)).item()
-        sums.zero_()
-        acc1, acc5, val_loss = validate(model, val_batches, device, args.amp)
-        is_best = acc1 > best_acc1
-        best_acc1 = max(acc1, best_acc1)
-        if du.is_main():
-            print(f"Epoch {epoch + 1}/{args.epochs}: Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} val loss {val_loss:.4f} "
-                  f"(best Acc@1 {best_acc1:.2f})", flush=True)
-            if writer:
-                for tag, value in [("train/loss", train_loss), ("train/lr", optimizer.param_groups[0]["lr"]),
-                                   ("val/acc1", acc1), ("val/acc5", acc5), ("val/loss", val_loss)]:
-                    writer.add_scalar(tag, value, epoch + 1)
-                writer.flush()
-            last = os.path.join(args.output_dir, "checkpoint_last.pth")
-            save_atomic(state(epoch + 1), last)
-            if is_best:
-                copy_atomic(last, os.path.join(args.output_dir, "model_best.pth"))
-        if epoch + 1 < args.epochs and preemption.requested():
-            if du.is_main():
-                print(f"=> preempted: saved epoch {epoch + 1}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
-            preemption.exit(writer)
-    if writer:
-        writer.close()
+    if not args.resume:
+        return 0, 0, -1.0, (None, None), sums  # the first evaluated epoch is always the best so far
+    ckpt = model.trunk.ckpt
+    load_optimizer_state(model.optimizer, ckpt["optimizer"])
+    if ckpt.get("scaler"):
+        model.scaler.load_state_dict(ckpt["scaler"])
+    epoch, step, best = ckpt["epoch"], ckpt.get("step_in_epoch", 0), ckpt.get("best_acc1", 0.0)
+    if step and du.is_main():  # the epoch's sums so far, over every rank
+        sums += torch.tensor(ckpt["epoch_sums"], dtype=torch.float64, device=device)
+    refuse_fewer_epochs(source, epoch, step, args.epochs)
     if du.is_main():
-        if start_epoch == args.epochs:
-            print(f"=> the probe in {args.output_dir} is already complete ({args.epochs} epochs): its result is "
-                  "reported again; raise --epochs to train longer", flush=True)
-        print(f"Acc@1 {acc1:.2f} (best Acc@1 {best_acc1:.2f})", flush=True)
-        write_results(args, {"acc1": acc1, "acc5": acc5, "best_acc1": best_acc1, "epochs": args.epochs,
-                             "pretrained": os.path.abspath(args.pretrained or source)})
+        print(f"=> resumed from {source} at epoch {epoch}" + (f" step {step}" if step else "")
+              + f" (best Acc@1 {best:.2f})", flush=True)
+    return epoch, step, best, (ckpt.get("acc1"), ckpt.get("acc5")), sums
+
+
+def save_now(checkpoints, state, output_dir):
+    checkpoints.save(state, output_dir)
+    checkpoints.wait()
 
 
 # ---------------------------------------------------------------- features (kNN, logistic regression)
@@ -372,9 +283,9 @@ def one_process():
     return main
 
 
-def features(args, trunk, split, name, source):
+def features(args, frozen, split, name, source):
     """Cached trunk features of one split (not normalised), and its labels."""
-    x = split_features(trunk, split, name, args.output_dir, checkpoint=source, batch_size=256,
+    x = split_features(frozen, split, name, args.output_dir, checkpoint=source, batch_size=256,
                        amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=args.arch, small_input=args.small_input,
                        dataset=args.dataset, data=os.path.abspath(args.data))
     return x, np.asarray(split.targets)
@@ -382,12 +293,13 @@ def features(args, trunk, split, name, source):
 
 # ---------------------------------------------------------------- kNN
 
-def run_knn(args, trunk, device):
+def run_knn(args, frozen, device):
     # the memory bank is the train split, the queries the val split, both without augmentation; every
     # rank extracts and scores its share (sce.knn), as the kNN monitor of main_pretrain.py does
     bank, queries, num_classes = splits(args, device, augment_train=False)
     with cli.autocast(device, args.amp):
-        top1, top5 = knn_accuracy(trunk, bank, queries, num_classes, args.knn_k, args.knn_t)
+        top1, top5 = knn_accuracy(frozen.trunk, bank, queries, num_classes, args.knn_k, args.knn_t,
+                                  pad=frozen.compiled)
     if du.is_main():
         print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
               f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
@@ -396,7 +308,7 @@ def run_knn(args, trunk, device):
 
 # ---------------------------------------------------------------- many-shot logistic regression
 
-def run_logreg(args, trunk, source, device):
+def run_logreg(args, frozen, source, device):
     metric = args.metric if args.metric != "auto" else ("map11" if args.dataset == "voc07" else "top1")
     if (metric == "map11") != (args.dataset == "voc07"):
         raise UserError(f"--metric {metric} does not fit --dataset {args.dataset}: map11 is for the "
@@ -405,15 +317,15 @@ def run_logreg(args, trunk, source, device):
         return
     # ssl-transfer: bicubic resize of the short side + centre crop, no augmentation; an ImageNet-stem trunk's JPEGs
     # decoded, resized and cropped on the device (--decode)
-    route = "decode" if data.decodes_on_device(args.decode, args.small_input) else "loader"
+    route = data.eval_route(args.decode, args.small_input)
     geometry = data.Geometry(args.crop_size, args.crop_size, mode="bicubic")
 
     def read(dataset):
         return data.eval_split(dataset, geometry, device, route, args.workers, args.seed)
-    reader = "encoded" if route == "decode" else "pil"
+    reader = data.READER[route]
     if args.dataset == "voc07":  # its own val split picks C, then train+val is refit
         split_data = {s: data.read_voc07(args.data, s) for s in ("train", "val", "test")}  # all checked first
-        feats = {s: features(args, trunk, read(data.ImageList(p, y, read=reader)), s, source)[0]
+        feats = {s: features(args, frozen, read(data.ImageList(p, y, read=reader)), s, source)[0]
                  for s, (p, y) in split_data.items()}
         labels = {s: y for s, (_, y) in split_data.items()}
         sel_x, sel_y, val_x, val_y = feats["train"], labels["train"], feats["val"], labels["val"]
@@ -422,8 +334,8 @@ def run_logreg(args, trunk, source, device):
         test_x, test_y = feats["test"], labels["test"]
     else:  # a seeded share of train picks C, then all of train is refit; DATA/val is the test set
         train_ds, test_ds, _ = data.read_splits(args.dataset, args.data, reader)
-        fit_x, fit_y = features(args, trunk, read(train_ds), "train", source)
-        test_x, test_y = features(args, trunk, read(test_ds), "val", source)
+        fit_x, fit_y = features(args, frozen, read(train_ds), "train", source)
+        test_x, test_y = features(args, frozen, read(test_ds), "val", source)
         tr, va = transfer.holdout_split(fit_y, args.val_fraction, args.seed)
         sel_x, sel_y, val_x, val_y = fit_x[tr], fit_y[tr], fit_x[va], fit_y[va]
 

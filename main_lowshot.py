@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from sce import UserError, cli, data, outdir, transfer
-from sce.checkpoint import checkpoint_arch, load_trunk
-from sce.engine import compile_trunk, resolve_compile
-from sce.knn import split_features
+from sce.engine import resolve_compile
+from sce.frozen import load_frozen, split_features
 
 
 def shots_arg(value):
@@ -100,31 +99,27 @@ def lowshot(args):
     # the VOC tree first: a broken one fails before any feature is computed
     trainval_paths, trainval_y = data.read_voc07(args.data, "trainval")
     test_paths, test_y = data.read_voc07(args.data, "test")
-    trunk, feat_dim, ckpt = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)
-    outdir.bind_evaluation(args.output_dir, args.pretrained, trunk, "voc07", args.data)
-    arch = args.arch or checkpoint_arch(ckpt)[0] or "resnet50"
-    small_input = isinstance(trunk.maxpool, torch.nn.Identity)
-    crop, why, warning = data.eval_crop_size(args.crop_size, small_input, ckpt.get("args"), "voc07")
-    resize = args.resize or data.eval_resize(crop, small_input)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    frozen = load_frozen(args.pretrained, args.arch, args.small_input, args.encoder, device,
+                         resolve_compile(args.compile, device))
+    outdir.bind_evaluation(args.output_dir, args.pretrained, frozen.trunk, "voc07", args.data)
+    crop, why, warning = data.eval_crop_size(args.crop_size, frozen.small_input, frozen.ckpt.get("args"), "voc07")
+    resize = args.resize or data.eval_resize(crop, frozen.small_input)
     if resize < crop:
         raise UserError(f"--resize {resize} is smaller than the {crop} px centre crop: pass --resize >= {crop}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    trunk.to(device)
-    if resolve_compile(args.compile, device):
-        compile_trunk(trunk)
-    print(f"=> {arch} trunk ({feat_dim}-d) from {args.pretrained}; input {crop} px ({why}), resized to {resize}; "
+    print(f"=> {frozen.describe()} from {args.pretrained}; input {crop} px ({why}), resized to {resize}; "
           f"VOC07 {len(trainval_paths)} trainval / {len(test_paths)} test images", flush=True)
     if warning:
         print(warning, flush=True)
-
-    route = "decode" if data.resolve_decode(args.decode, device) == "device" else "loader"  # JPEGs: there
+    route = data.eval_route(data.resolve_decode(args.decode, device), frozen.small_input)  # JPEGs: there
 
     def features(split, paths, labels):
-        images = data.ImageList(paths, labels, read="encoded" if route == "decode" else "pil")
-        feats = split_features(trunk, data.eval_split(images, data.Geometry(crop, resize), device, route, args.workers),
-                               split, args.output_dir, checkpoint=args.pretrained, batch_size=args.batch_size,
-                               amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=arch, small_input=small_input,
-                               dataset="voc07", data=os.path.abspath(args.data))
+        images = data.ImageList(paths, labels, read=data.READER[route])
+        read = data.eval_split(images, data.Geometry(crop, resize), device, route, args.workers)
+        feats = split_features(frozen, read, split, args.output_dir, checkpoint=args.pretrained,
+                               batch_size=args.batch_size, amp_dtype=cli.AMP[args.amp], encoder=args.encoder,
+                               arch=frozen.arch, small_input=frozen.small_input, dataset="voc07",
+                               data=os.path.abspath(args.data))
         return transfer.l2_normalize_rows(feats)
 
     train_x = features("trainval", trainval_paths, trainval_y)
@@ -179,7 +174,7 @@ def lowshot(args):
     print(all_fits.note(transfer.SVM_MAX_ITER, noun="SVM fits"))
     out = os.path.join(args.output_dir, "lowshot.json")
     with open(out, "w") as f:
-        json.dump({"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder, "arch": arch,
+        json.dump({"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder, "arch": frozen.arch,
                    "cost_selection": args.cost_selection, "costs": args.costs, "seed": args.seed,
                    "difficult": args.difficult, "std": "population (ddof 0) over draws", "results": results},
                   f, indent=2)

@@ -9,18 +9,18 @@ the command of every setting of the paper.
 """
 import argparse
 import functools
-import json
 import os
 import random
 
 import numpy as np
 import torch
 
-from sce import UserError, cli, compiling, data, knn, losses, outdir
+from sce import UserError, cli, compiling, data, knn, losses, outdir, timing
 from sce import distributed as du
-from sce.builder import ARCHS, MomentumModel
+from sce.builder import ARCHS, build_model
+from sce.checkpoint import Writer
 from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model, resolve_compile
-from sce.epoch import Run, end_epoch, epochs_logged, finish, lambda_scheduled, log_epoch, train_one_epoch
+from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch
 from sce.optim import build_optimizer
 from sce.preemption import Preemption
 from sce.resume import check_ranks_agree, resume
@@ -200,7 +200,7 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
         raise UserError("--decode device crops and augments on the device: drop --augment cpu")
     if args.preload == "device" and args.augment == "cpu":
         raise UserError("--preload device augments on the device: drop --augment cpu (or use --preload off)")
-    if lambda_scheduled(args) and args.loss != "sce":
+    if losses.lambda_scheduled(args) and args.loss != "sce":
         raise UserError(f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without "
                         f"--loss-coeffs); this run uses {args.loss}")
     smallest = min([args.crop_size] + args.local_crop_sizes)
@@ -263,6 +263,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     compiles, budget = compiling.Log(), data.Budget(device)  # the run's compiles; its share of device memory
+    split = timing.Split(compiles)
 
     route, try_preload = data.choose_route(args.augment, args.decode, args.preload, device)
     dataset = data.build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
@@ -271,64 +272,52 @@ def pretrain(args, rank, world_size, device, bn_splits):
         raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
                         "lower --batch-size")
     sampler = data.ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
-    max_bad = args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000)
-    batches = data.PretrainBatches(dataset, data.view_specs(args), sampler, args.seed, device, route, try_preload,
-                                   args.preload == "device", 0 if args.preview_views else args.workers,
-                                   cli.AMP[args.amp], args.channels_last, args.compile, max_bad, budget, compiles)
+    batches = data.from_flags(args, dataset, sampler, device, route, try_preload, cli.AMP[args.amp], budget, compiles,
+                              preview=bool(args.preview_views))
     preview = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
     if args.preview_views:  # the views of 8 images of epoch 0, as training makes them
         if rank == 0:
             data.write_preview(args, batches.views_of(preview), args.preview_views)
         return
 
-    # lambda as a device tensor when it moves: a CUDA graph of the step reads it
-    lam = torch.tensor(args.lambda_, device=device) if lambda_scheduled(args) else None
-    model = MomentumModel(losses.criterion(args, lam), arch=args.arch, small_input=args.small_input,
-                          proj_hidden_dims=args.proj_hidden_dims, proj_dim=args.proj_dim,
-                          proj_last_bn=args.proj_last_bn, pred_hidden_dims=args.pred_hidden_dims,
-                          queue_size=args.queue_size, symmetric=args.symmetric, shuffle_bn=args.shuffle_bn,
-                          bn_splits=bn_splits, sync_bn=args.sync_bn and world_size > 1).to(device)
+    lam = losses.Lambda(args, device)  # a device tensor when it moves: a CUDA graph of the step reads it
+    model = build_model(args, losses.criterion(args, lam), bn_splits, args.sync_bn and world_size > 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    monitor = None
-    if args.knn_data and (args.knn_every or args.demo):  # read as main_lincls.py --knn reads it: the same number
-        size = data.eval_crop_size(None, args.small_input, vars(args), args.dataset)[0]
-        sets = data.eval_splits(args.dataset, args.knn_data, size, args.small_input, device, args.preload, args.decode,
-                                min(args.workers, 4), class_list=args.class_list, what="kNN ", budget=budget)
-        monitor = knn.Monitor(sets, args.knn_k, args.knn_t, args.knn_max_train, args.seed, args.compile, compiles)
+    data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset))
+    monitor = knn_monitor(args, device, budget, compiles, batches, data_id["data_id"])
     untrained = monitor(model)[0] if args.demo else None
     base_lr = args.lr * args.batch_size / 256
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset))
     start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id)
     # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
     unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
-    writer = cli.summary_writer(args.output_dir) if rank == 0 and (unlogged or start_epoch < args.epochs) else None
+    tensorboard = cli.summary_writer(args.output_dir) if rank == 0 and (unlogged or start_epoch < args.epochs) else None
     if unlogged:
         if rank == 0:
             print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
-        log_epoch(args, model, start_epoch, last_stats, monitor, writer)
+        knn = monitor(model) if monitor and knn_due(args, start_epoch) else None
+        log_epoch(args, start_epoch, last_stats, knn, tensorboard)
     if start_epoch == args.epochs:
         if rank == 0:
             print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
                   "raise --epochs to train longer", flush=True)
-        if writer:
-            writer.close()
+        if tensorboard:
+            tensorboard.close()
         return
     if rank == 0:
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-            json.dump(settings, f, indent=1)
+        outdir.write_json(os.path.join(args.output_dir, "args.json"), settings)
     if args.compile:
         compile_model(model, compiles)
 
     ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
     preemption = Preemption(world_size, args.dist_timeout)
     first_step = start_epoch * sampler.steps + start_step
-    if writer:  # what the augmentations do, once an invocation: 8 images of epoch 0
+    if tensorboard:  # what the augmentations do, once an invocation: 8 images of epoch 0
         grid = data.views_grid(batches.views_of(preview), data.view_labels(args))
-        writer.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
+        tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
     terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
     training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=terms)
     step = build_step(training, device, args.cuda_graph, args.compile)
@@ -337,24 +326,43 @@ def pretrain(args, rank, world_size, device, bn_splits):
               f"on {world_size} rank(s), lr {base_lr:.4g}", flush=True)
         print(f"=> data: {batches.describe()}; step: {step.describe()}; amp {args.amp}", flush=True)
 
-    run = Run(args, training, step, batches, sampler.steps, device, writer, preemption, base_lr, first_step, lam,
-              compiles)
+    run = Run(args, training, step, batches, sampler.steps, device, tensorboard, preemption, base_lr, first_step, lam,
+              Writer(), split, monitor, data_id)
     nonfinite, result, done = torch.zeros((), device=device), None, start_epoch
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch, start_step)
-        result = train_one_epoch(run, epoch, start_step, nonfinite, epoch_sums)
-        nonfinite, start_step, epoch_sums = result.nonfinite, 0, None
-        if result.stopped_at is not None:  # a stop request mid-epoch
-            break
-        done = epoch + 1
-        end_epoch(run, done, result.stats, data_id, monitor)
-        if preemption.requested() or (args.stop_after_epochs and done - start_epoch >= args.stop_after_epochs):
-            break
-    finish(run, result, done, data_id)  # exits 75 after a stop request, the run not complete
-    if args.demo:
-        top1 = monitor(model)[0]
+    split.loop()
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            sampler.set_epoch(epoch, start_step)
+            result = train_one_epoch(run, epoch, start_step, nonfinite, epoch_sums)
+            nonfinite, start_step, epoch_sums = result.nonfinite, 0, None
+            if result.stopped_at is not None:  # a stop request mid-epoch
+                break
+            done = epoch + 1
+            end_epoch(run, done, result.stats)
+            if preemption.requested() or (args.stop_after_epochs and done - start_epoch >= args.stop_after_epochs):
+                break
+        finish(run, result, done)  # exits 75 after a stop request, the run not complete
+        top1 = monitor(model)[0] if args.demo else None
+    except BaseException:
+        run.checkpoints.wait(quiet=True)  # a failure waits for the save in flight too
+        raise
+    finally:  # however the loop ended: complete, stopped (exit 75) or failed
         if rank == 0:
-            print(f"kNN top-1: {top1:.1f}% (untrained: {untrained:.1f}%)", flush=True)
+            split.write(args.output_dir, epochs=[start_epoch, done])
+    if args.demo and rank == 0:
+        print(f"kNN top-1: {top1:.1f}% (untrained: {untrained:.1f}%)", flush=True)
+
+
+def knn_monitor(args, device, budget, compiles, batches, data_id):
+    """The kNN monitor on --knn-data (the demo's own), read as main_lincls.py --knn reads it, for the same number;
+    its train images are the pretraining's where those are preloaded and the same files at its size."""
+    if not args.knn_data or not (args.knn_every or args.demo):
+        return None
+    size = data.eval_crop_size(None, args.small_input, vars(args), args.dataset)[0]
+    reuse = (data_id, batches.preloaded) if batches.preloaded else None
+    sets = data.eval_splits(args.dataset, args.knn_data, size, args.small_input, device, args.preload, args.decode,
+                            min(args.workers, 4), class_list=args.class_list, what="kNN ", budget=budget, reuse=reuse)
+    return knn.Monitor(sets, args.knn_k, args.knn_t, args.knn_max_train, args.seed, args.compile, compiles)
 
 
 if __name__ == "__main__":

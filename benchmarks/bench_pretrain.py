@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pretraining throughput, side by side in one run: the data loader alone (CPU vs GPU augmentation),
 the training step alone (synthetic device tensors), and both together, all through the code
-main_pretrain.py runs (sce.data.PretrainBatches, sce.engine.Step).
+main_pretrain.py runs (sce.data.pretrain_batches, sce.engine.Step).
 
     python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
     # the per-image CPU cost
@@ -37,8 +37,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from photos import write_photos  # noqa: E402
 from sce import cli, compiling, data, losses  # noqa: E402
-from sce.builder import MomentumModel, build_trunk  # noqa: E402
-from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model, compile_trunk  # noqa: E402
+from sce.builder import build_model, build_trunk  # noqa: E402
+from sce.compiling import compile_module  # noqa: E402
+from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,29 +140,32 @@ class Cycle(torch.utils.data.Dataset):
 
 
 def make_batches(dataset, augment, batches, workers=None, compile=None):
-    """main_pretrain.py's PretrainBatches over `batches` batches of `dataset` (cycled), by route `augment`."""
+    """main_pretrain.py's batches (sce.data.pretrain_batches) over `batches` batches of `dataset` (cycled), by route
+    `augment`."""
     cycled = Cycle(dataset, batches * args.batch_size)
-    return data.PretrainBatches(cycled, SPECS, data.ResumableSampler(len(cycled), args.batch_size), 0, device, augment,
-                                workers=args.workers if workers is None else workers, dtype=amp_dtype,
-                                channels_last=args.channels_last, compile=args.compile if compile is None else compile,
-                                compiles=COMPILES)
+    return data.pretrain_batches(cycled, SPECS, data.ResumableSampler(len(cycled), args.batch_size), device, augment,
+                                 workers=args.workers if workers is None else workers, dtype=amp_dtype,
+                                 channels_last=args.channels_last, compile=args.compile if compile is None else compile,
+                                 compiles=COMPILES)
 
 
 def build_training():
-    """(Training, step function) as main_pretrain.py builds them: train_step, or its CUDA graph."""
+    """(Training, step function) as main_pretrain.py builds them (sce.builder.build_model and sce.losses.criterion
+    of main_pretrain.py's defaults for the method: SCE, tau 0.1, tau_m 0.07, lambda 0.5; --lr 0.5 scaled by the
+    batch): train_step, or its CUDA graph."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    model = MomentumModel(losses.sce_loss, arch=args.arch, small_input=args.small_input,
-                          proj_hidden_dims=args.proj_hidden_dims, proj_dim=args.proj_dim,
-                          proj_last_bn=args.proj_last_bn, queue_size=queue, symmetric=args.symmetric,
-                          shuffle_bn=args.shuffle_bn, bn_splits=args.bn_splits if args.shuffle_bn else 1).to(device)
+    flags = argparse.Namespace(**vars(args), loss="sce", method="sce", lambda_=0.5, tau=0.1, tau_m=0.07,
+                               mask_positive=False, pred_hidden_dims=[])
+    flags.queue_size = queue
+    model = build_model(flags, losses.criterion(flags), args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer("sgd", model, 0.1, 1e-4)
+    optimizer = build_optimizer("sgd", model, 0.5 * args.batch_size / 256, 1e-4)
     if args.compile:
         compile_model(model, COMPILES)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    terms = functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07)  # logged every step, as main_pretrain.py
+    terms = functools.partial(losses.loss_terms, tau=flags.tau, tau_m=flags.tau_m)  # logged every step, as there
     training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
     return training, build_step(training, device, args.cuda_graph, args.compile)
 
@@ -174,7 +178,7 @@ def bench_references():
         model, feat_dim = build_trunk(args.arch, args.small_input)
         model.fc = torch.nn.Linear(feat_dim, 1000)
         model = model.to(device, memory_format=MEMORY_FORMAT)
-        return compile_trunk(model) if args.compile else model
+        return compile_module(model, "trunk", COMPILES) if args.compile else model
     torch.manual_seed(0)
     online, target = plain(), plain()
     optimizer = torch.optim.SGD(online.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
@@ -226,7 +230,7 @@ def bench_data(dataset, augment):
         eager_ms = time_device_augment(make_batches(dataset, augment, 1, workers=0, compile=False), batch)
     if args.profile and augment != "cpu":
         with torch.profiler.profile() as prof:
-            batches.views(batch)
+            batches.views_from(batch)
             sync()
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
@@ -238,11 +242,11 @@ def bench_data(dataset, augment):
 
 def time_device_augment(batches, batch):
     """ms per batch of the device's side of a loader batch (decoding, crops, photometric ops, normalisation)."""
-    batches.views(batch)  # compiles, if asked
+    batches.views_from(batch)  # compiles, if asked
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
-        batches.views(batch)
+        batches.views_from(batch)
     sync()
     return round(1000 * (time.perf_counter() - start) / args.steps, 2)
 
@@ -274,7 +278,7 @@ def check_graph(step, batches=None):
     if args.cuda_graph and not step.graphed:
         raise SystemExit("error: --cuda-graph: the step was not captured (see the warning above): its rows would "
                          "time eager steps")
-    if args.compile and (step.compile_failed or (batches is not None and batches.compiled.failed)):
+    if args.compile and (step.compile_failed or (batches is not None and batches.views.failed)):
         raise SystemExit("error: --compile: compiling failed and the step or the views ran eagerly (see the warning "
                          "above): its rows would time eager code")
 
@@ -344,7 +348,7 @@ def host_step_s(step, training):
 
 
 def run_pipeline(step, batches):
-    """The step over `batches` (PretrainBatches: each a list of views on the device), as main_pretrain.py runs
+    """The step over `batches` (each a list of views on the device), as main_pretrain.py runs
     them. Returns images/s, the share of time spent waiting for the loader, and the iterator (4 batches left)."""
     batches_iter = iter(batches)
     for _ in range(args.warmup):
@@ -361,7 +365,7 @@ def run_pipeline(step, batches):
 
 
 def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None, profile=True):
-    """PretrainBatches by route `augment` (workers: default --workers; 'preload': `dataset` decoded onto the
+    """Batches by route `augment` (workers: default --workers; 'preload': `dataset` decoded onto the
     device first, no loader), then the step; profiled under --profile unless profile=False."""
     workers = 0 if augment == "preload" else args.workers if workers is None else workers
     steps = args.warmup + args.steps + 4
@@ -385,18 +389,18 @@ def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None,
 
 
 class PreloadedEpochs:
-    """The preload route's PretrainBatches over as many epochs as `steps` asks (a few hundred images feed any
+    """The preload route's batches over as many epochs as `steps` asks (a few hundred images feed any
     number of steps), with the views of main_pretrain.py's defaults (weak target, strong online)."""
 
     def __init__(self, dataset, steps):
         if len(dataset) < args.batch_size:
             raise SystemExit(f"error: {len(dataset)} images make no batch of {args.batch_size}")
         self.sampler = data.ResumableSampler(len(dataset), args.batch_size)
-        self.batches = data.PretrainBatches(dataset, SPECS, self.sampler, 0, device, "gpu", try_preload=True,
-                                            required=True, workers=args.workers, dtype=amp_dtype,
-                                            channels_last=args.channels_last, compile=args.compile,
-                                            budget=data.Budget(device), compiles=COMPILES)
-        self.compiled, self.wait_s = self.batches.compiled, 0.0
+        self.batches = data.pretrain_batches(dataset, SPECS, self.sampler, device, "gpu", try_preload=True,
+                                             required=True, workers=args.workers, dtype=amp_dtype,
+                                             channels_last=args.channels_last, compile=args.compile,
+                                             budget=data.Budget(device), compiles=COMPILES)
+        self.views, self.wait_s = self.batches.views, 0.0
 
     def __iter__(self):
         for epoch in itertools.count():
@@ -427,11 +431,11 @@ def bench_device_pipeline(step, dataset, compute_images_per_s):
     cached = list(itertools.islice(iter(batches.loader), 4))
 
     class Cached:
-        wait_s, compiled = 0.0, batches.compiled
+        wait_s, views = 0.0, batches.views
 
         def __iter__(self):
             for i in range(args.warmup + args.steps + 4):
-                yield batches.views(cached[i % 4])
+                yield batches.views_from(cached[i % 4])
     images_per_s, _, _ = run_pipeline(step, Cached())
     report(what="device_pipeline", augment="gpu", **SETTING, images_per_s=round(images_per_s, 1),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None)
@@ -491,7 +495,7 @@ def bench_lincls(root, tmp):
         rates[what] = float(found[-1])
     trunk = trunk.to(device).eval()  # as main_lincls.py runs it: contiguous, compiled as it is
     if args.compile:
-        compile_trunk(trunk)
+        compile_module(trunk, "trunk", COMPILES)
     views = [v.contiguous() for v in synthetic_views()]
 
     def forward(_views, _m):

@@ -20,10 +20,11 @@
 # Before any training, every file of an official layout is read (and its images counted against its labels), and
 # every image Tiny-ImageNet's val_annotations.txt lists must exist; an ImageFolder's files are listed, not decoded.
 # STL-10 pretrains on train + unlabeled (105,000 images) and its linear probe trains on train (5,000).
-# After the first method's first epoch, a line per stage gives its estimated time on this machine; each stage shows
-# a line per epoch here, its whole output going to OUT_DIR/METHOD.STAGE.log. Interrupted (SIGTERM, SIGINT,
-# SIGUSR1: the running stage saves and stops; killed outright: the stage stops by itself within seconds), the same
-# command continues where it stopped. One invocation at a time may use an OUT_DIR.
+# After a pretraining's first epoch (no restart: that stage goes on), a line gives each stage's estimated time on this
+# machine; each stage shows a line per epoch here and its time split at its end, its whole output going to
+# OUT_DIR/METHOD.STAGE.log. Interrupted (SIGTERM, SIGINT, SIGUSR1: the running stage saves and stops, or the script
+# stops before the next stage; killed outright: the stage stops by itself within seconds), the same command continues
+# where it stopped. One invocation at a time may use an OUT_DIR, and an OUT_DIR holds one DATASET from one DATA_DIR.
 # On a GPU the images are preloaded there and the step runs in bf16 from a CUDA graph; the loss itself runs in
 # fp32 (sce/builder.py). Lossy JPEG folders give somewhat lower numbers than the official pixels.
 set -euo pipefail
@@ -59,19 +60,41 @@ PRETRAIN="--arch resnet18 --small-input --crop-size $CROP --batch-size 256 --epo
           --proj-last-bn none --shuffle-bn --bn-splits 8 --queue-size $QUEUE --knn-every 20"
 LINEAR=""  # the linear probe's flags beyond its defaults (100 epochs, lr 30, x0.1 at 60 and 80, batch 256)
 
+# SIGTERM / SIGINT / SIGUSR1 go to the running stage, which saves and stops; the script exits with its code. One
+# that comes while no stage runs (the data check, between two stages) stops the script before the next.
+child=0
+forward() { [ "$child" -gt 0 ] && kill -TERM "$child" 2>/dev/null; stopping=1; }
+stopping=0
+trap forward TERM INT USR1
+stop_if_asked() {
+    if (( stopping )); then
+        echo "=> interrupted: run the same command again to continue" >&2
+        exit 75
+    fi
+}
+
 mkdir -p "$OUT"
-# one invocation per OUT_DIR: the lock dies with this shell (the stages hold their own folders' locks)
+# one invocation per OUT_DIR: the lock dies with this shell (the stages and the display close it: fd 9 is this
+# shell's alone, so a rerun right after `kill -9` of this shell proceeds, whatever the orphaned stage does)
 if command -v flock > /dev/null; then
     exec 9>> "$OUT/.lock"
     flock -n 9 || { echo "error: $OUT is in use by another reproduce.sh ($(cat "$OUT/.lock.pid" 2>/dev/null ||
         echo "its PID unknown")): wait for it to end or stop it, or pass another OUT_DIR" >&2; exit 1; }
     echo "PID $$" > "$OUT/.lock.pid"
 fi
+# an OUT_DIR holds the runs of one dataset from one DATA_DIR: another is refused before anything runs
+source_id="$DATASET $DATA"
+if [ -f "$OUT/source" ] && [ "$(cat "$OUT/source")" != "$source_id" ]; then
+    echo "error: $OUT holds the runs of $(cat "$OUT/source"), not of $source_id: pass that DATASET and DATA_DIR to" \
+        "continue them, or another OUT_DIR" >&2
+    exit 1
+fi
 # which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
 # (SMOKE=1 checks the script, not the numbers: it trains on a small ImageFolder written from the data)
 smoke_dir=(); [ "${SMOKE:-0}" = 1 ] && smoke_dir=("$OUT/smoke_data")
 $PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- \
     || exit 1
+[ "${DRY_RUN:-0}" = 1 ] || echo "$source_id" > "$OUT/source"
 # shellcheck disable=SC1091
 source "$OUT/data.env"  # FORMAT (the --dataset of the scripts), ROOT, split sizes, DEVICE (cpu or the GPU's name)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -85,17 +108,12 @@ elif [ "${SMOKE:-0}" != 1 ]; then
     echo "warning: no GPU: 200 epochs on a CPU take days (SMOKE=1 checks the script in a minute)" >&2
 fi
 
-# SIGTERM / SIGINT / SIGUSR1 go to the running stage, which saves and stops; the script exits with its code
-child=0
-forward() { [ "$child" -gt 0 ] && kill -TERM "$child" 2>/dev/null; stopping=1; }
-stopping=0
-trap forward TERM INT USR1
-# the lines of a stage shown here: an epoch's last progress line and result, the kNN, resumes, stops, warnings
-SHOWN='^(Epoch \[[0-9]+/[0-9]+\]\[([0-9]+)/\2\]|Epoch [0-9]+/[0-9]+:|=> (epoch|resum|preempted|the run|the probe)|warning|error)'
-# stage NAME LOG CMD...: runs CMD with its output in LOG (and SHOWN's lines here), adds its wall time (ms) to $OUT/times
+# stage NAME LOG METHOD CMD...: runs CMD with its output in LOG (its epoch lines, kNN, estimate and time split shown
+# here, with each stage's estimated time after the first epoch), adds its wall time (ms) to $OUT/times
 stage() {
-    local name=$1 log=$2 start code lines shown
-    shift 2
+    local name=$1 log=$2 method=$3 start code lines shown
+    shift 3
+    stop_if_asked
     echo "=== $name: $*"
     [ "${DRY_RUN:-0}" = 1 ] && return
     start=$(date +%s%N)
@@ -103,8 +121,9 @@ stage() {
     lines=$(wc -l < "$log")
     SCE_PARENT_PID=$$ "$@" >> "$log" 2>&1 9>&- &
     child=$!
-    tail -s 0.2 -n +$((lines + 1)) --pid="$child" -f "$log" 2> /dev/null | grep --line-buffered -E "$SHOWN" \
-        | sed -u 's/^/   /' &
+    # shellcheck disable=SC2086
+    $PYTHON benchmarks/reproduce_tools.py show "$log" "$child" "$lines" "$OUT" "$OUT/data.env" "$method" "$LINEAR" \
+        $METHODS 9>&- &
     shown=$!
     wait "$child" && code=0 || code=$?
     while kill -0 "$child" 2>/dev/null; do  # a trapped signal ended the first wait: let the stage save
@@ -117,34 +136,26 @@ stage() {
         echo "error: $name stopped (exit $code); the end of $log:" >&2
         tail -3 "$log" >&2
         (( stopping )) && echo "=> interrupted: run the same command again to continue" >&2
-        exit $(( code ? code : 1 ))
+        exit $(( code ? code : 75 ))
     fi
 }
 
 # the run's stages, resumed where an earlier invocation stopped (--resume auto; a finished stage is skipped)
 EPOCHS=$(grep -o -- "--epochs [0-9]*" <<< "$PRETRAIN" | tail -1 | cut -d" " -f2)
-epochs_done() { [ -f "$1/log.txt" ] && tail -1 "$1/log.txt" | grep -o '"epoch": [0-9]*' | cut -d" " -f2 || echo 0; }
-first=1
+epochs_done() { [ -f "$1/log.txt" ] && grep -o '"epoch": [0-9]*' "$1/log.txt" | tail -1 | cut -d" " -f2 || echo 0; }
 for method in $METHODS; do
     run=$OUT/$method
     # shellcheck disable=SC2086
     pretrain=($PYTHON main_pretrain.py --dataset "$FORMAT" --data "$ROOT" --knn-data "$ROOT" $PRETRAIN
               ${FLAGS[$method]} --output-dir "$run")
-    # the first epoch measures this machine (again after a stop within it)
-    if (( first )) && [ "$(epochs_done "$run")" = 0 ] && [ "${DRY_RUN:-0}" != 1 ]; then
-        stage "$method pretrain" "$OUT/$method.pretrain.log" "${pretrain[@]}" --stop-after-epochs 1
-        # shellcheck disable=SC2086
-        $PYTHON benchmarks/reproduce_tools.py estimate "$OUT/$method.pretrain.log" "$OUT/data.env" "$PRETRAIN" \
-            "$LINEAR" $METHODS 9>&-
-    fi
-    first=0
     if [ "$(epochs_done "$run")" != "$EPOCHS" ]; then
-        stage "$method pretrain" "$OUT/$method.pretrain.log" "${pretrain[@]}"
+        stage "$method pretrain" "$OUT/$method.pretrain.log" "$method" "${pretrain[@]}"
     fi
     if [ ! -f "$run/linear/results_linear.json" ]; then
         # shellcheck disable=SC2086
-        stage "$method linear" "$OUT/$method.linear.log" $PYTHON main_lincls.py --dataset "$FORMAT" --data "$ROOT" \
-            --pretrained "$run/checkpoint_last.pth" $LINEAR --resume auto --output-dir "$run/linear"
+        stage "$method linear" "$OUT/$method.linear.log" "$method" $PYTHON main_lincls.py --dataset "$FORMAT" \
+            --data "$ROOT" --pretrained "$run/checkpoint_last.pth" $LINEAR --resume auto --output-dir "$run/linear"
     fi
 done
+stop_if_asked
 [ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduce_tools.py table "$DATASET" "$OUT" $METHODS 9>&-

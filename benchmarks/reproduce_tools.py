@@ -6,9 +6,10 @@
                                           split sizes as shell variables to ENV_FILE. With SMOKE_DIR (SMOKE=1): a
                                           small ImageFolder there (the first 10 classes, 16 train and 8 val images
                                           each), which ENV_FILE then names
-    estimate LOG ENV_FILE PRETRAIN LINEAR METHOD...
-                                          each stage's estimated time, from the rate of the first epoch's last
-                                          progress line in LOG
+    show LOG PID START OUT ENV_FILE METHOD LINEAR METHOD...
+                                          the lines of a stage's LOG shown while it runs (PID), from line START;
+                                          after the pretraining's estimate (OUT/METHOD/estimate.json), each stage's
+                                          estimated time
     table DATASET OUT_DIR METHOD...       the results beside the paper's: OUT_DIR/results.md and results.json, with
                                           every method finished in OUT_DIR (METHODS of this run or of an earlier one)
 """
@@ -16,10 +17,13 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
+import time
+from importlib.metadata import version
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sce import UserError  # noqa: E402  (sce.data, with torch, is imported by the steps that read data)
+from sce import UserError, layouts  # noqa: E402  (no torch: sce.data is imported by SMOKE=1 alone)
 
 # the paper's baselines table (Sec. 4.2), linear top-1: SCE, and the authors' reproductions of ReSSL and MoCo v2
 PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
@@ -33,7 +37,7 @@ OFFICIAL = {"cifar10": ("cifar-10-batches-py", "CIFAR-10's python batches"),
             "stl10": ("stl10_binary", "STL-10's binaries"),
             "tiny-imagenet": ("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/images, val/images and "
                                                    "val/val_annotations.txt)")}
-LINEAR_SPEEDUP = 4  # the linear probe's images/s against pretraining's: one frozen forward, not 2 + a backward
+LINEAR_SPEEDUP = 3.4  # without a kNN rate: the probe's images/s against pretraining's (one H100, 2026-11-27)
 
 
 def layout(dataset, data):
@@ -52,20 +56,49 @@ def layout(dataset, data):
 
 
 def check(dataset, data, env_file, smoke_dir=None):
+    """Which layout DATA_DIR holds, its files listed and checked (sce.layouts: no image decoded, no torch imported),
+    and the machine: FORMAT, ROOT, the split sizes, DEVICE (the first visible GPU's name, or cpu) and TORCH to
+    ENV_FILE."""
     if not os.path.isdir(data):
         raise UserError(f"DATA_DIR {data} is not a folder: pass the folder of the {dataset} download")
     fmt, root, found = layout(dataset, data)
-    import torch  # here: a wrong folder is said without the seconds of importing torch
-    from sce.data import build_dataset, read_splits
-    train, val, _ = read_splits(fmt, root)  # the evaluations' reader and class checks
-    pretrain = build_dataset(fmt, root, "pretrain")
-    print(f"=> {dataset}: {found} under {data}: {len(pretrain)} pretraining images, {len(train)} train / {len(val)} "
-          "val images for the linear probe and the kNN", flush=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    write_env(env_file, FORMAT=fmt, ROOT=root, PRETRAIN_IMAGES=len(pretrain), TRAIN_IMAGES=len(train), DEVICE=device,
-              TORCH=torch.__version__)
+    sizes = split_sizes(fmt, root)
+    print(f"=> {dataset}: {found} under {data}: {sizes['pretrain']} pretraining images, {sizes['train']} train / "
+          f"{sizes['val']} val images for the linear probe and the kNN", flush=True)
+    write_env(env_file, FORMAT=fmt, ROOT=root, PRETRAIN_IMAGES=sizes["pretrain"], TRAIN_IMAGES=sizes["train"],
+              VAL_IMAGES=sizes["val"], DEVICE=gpu_name(), TORCH=version("torch"))
     if smoke_dir:
-        smoke(env_file, smoke_dir)  # in this process: torch is imported once
+        smoke(env_file, smoke_dir)
+
+
+def split_sizes(fmt, root):
+    """{pretrain, train, val: images} of a checked layout, as main_pretrain.py and main_lincls.py read it (STL-10
+    pretrains on train + unlabeled)."""
+    if fmt in layouts.OFFICIAL_FILES:
+        sizes = layouts.official_sizes(fmt, layouts.official_folder(fmt, root)[1])
+        return dict(sizes, pretrain=sizes["train"] + sizes.get("unlabeled", 0))
+    classes, train = layouts.image_folder(os.path.join(root, "train"))
+    if fmt == "tiny-imagenet":
+        val_classes, val = None, layouts.tiny_imagenet_val(os.path.join(root, "val"), classes)
+    else:
+        val_classes, val = layouts.image_folder(os.path.join(root, "val"))
+    layouts.check_classes(len(classes), classes, val_classes, os.path.join(root, "train"), os.path.join(root, "val"))
+    return dict(pretrain=len(train), train=len(train), val=len(val))
+
+
+def gpu_name():
+    """The first visible GPU's name (nvidia-smi; CUDA_VISIBLE_DEVICES respected), or cpu."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not visible.strip():
+        return "cpu"
+    first = (visible or "0").split(",")[0].strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", first],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    names = out.stdout.strip().splitlines()
+    return names[0].strip() if out.returncode == 0 and names else "cpu"
 
 
 def write_env(env_file, **variables):
@@ -98,7 +131,7 @@ def smoke(env_file, folder):
     print(f"=> SMOKE: {count['train']} train / {count['val']} val images of {env['FORMAT']}'s first {SMOKE_CLASSES} "
           f"classes, as an ImageFolder in {folder}", flush=True)
     write_env(env_file, **dict(env, FORMAT="imagefolder", ROOT=folder, PRETRAIN_IMAGES=count["train"],
-                               TRAIN_IMAGES=count["train"]))
+                               TRAIN_IMAGES=count["train"], VAL_IMAGES=count["val"]))
 
 
 def flag(flags, name, default):
@@ -112,20 +145,68 @@ def read_env(env_file):
     return {k: shlex.split(v)[0] for k, v in (line.split("=", 1) for line in open(env_file).read().splitlines())}
 
 
-def estimate(log, env_file, pretrain_flags, linear_flags, methods):
+# what reproduce.sh shows of a stage: an epoch's last progress line and result, the kNN, the estimate, resumes,
+# stops, the time split, warnings and errors
+SHOWN = re.compile(r"^(Epoch \[\d+/\d+\]\[(\d+)/\2\]|Epoch \d+/\d+:|=> (epoch|estimate|resum|preempted|the run|"
+                   r"the probe|wall time)|warning|error)")
+
+
+def show(log, pid, start, out, env_file, method, linear_flags, methods):
+    """Follow LOG from line START while process PID runs (tail -f's way), printing the lines SHOWN matches,
+    indented; after the pretraining's estimate line, the estimate of every stage of the run left to do."""
+    with open(log) as f:
+        for _ in range(int(start)):
+            f.readline()
+        pending = ""
+        while True:
+            line = f.readline()
+            if line.endswith("\n"):
+                line, pending = pending + line, ""
+                if SHOWN.match(line):
+                    print("   " + line, end="", flush=True)
+                if line.startswith("=> estimate after epoch"):
+                    row_estimate(out, env_file, method, linear_flags, methods)
+            elif line:
+                pending += line  # a line being written
+            elif running(int(pid)):
+                time.sleep(0.2)
+            else:
+                return
+
+
+def running(pid):
+    """Whether process `pid` runs (one that ended but is not reaped yet, a zombie, has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def row_estimate(out, env_file, method, linear_flags, methods):
+    """Each stage left of METHODS, from the running pretraining's estimate (OUT/METHOD/estimate.json): every
+    pretraining as this one, every linear probe at the trunk's forward rate its kNN measured (start-up as the
+    pretraining's, one compile as the kNN's, its epochs over train and val)."""
     env = read_env(env_file)
-    rates = re.findall(r"([\d.]+) img/s", open(log).read())
-    if not rates:
-        print("=> no progress line in the first epoch: no estimate", flush=True)
-        return
-    rate = float(rates[-1])
-    epochs, linear_epochs = flag(pretrain_flags, "epochs", 200), flag(linear_flags, "epochs", 100)
-    print(f"=> the first epoch ran at {rate:.0f} images/s (its last progress line); estimated time of each stage "
-          f"here (the linear probe at {LINEAR_SPEEDUP}x that rate: a frozen forward):", flush=True)
-    for method in methods:
-        for name, images, per_s, n in (("pretrain", int(env["PRETRAIN_IMAGES"]), rate, epochs),
-                                       ("linear", int(env["TRAIN_IMAGES"]), LINEAR_SPEEDUP * rate, linear_epochs)):
-            print(f"   {method} {name}: {n} epochs x {images} images: {n * images / per_s / 60:.1f} min", flush=True)
+    with open(os.path.join(out, method, "estimate.json")) as f:
+        e = json.load(f)
+    rate = e.get("forward_images_per_s") or LINEAR_SPEEDUP * e["images_per_s"]
+    images = int(env["TRAIN_IMAGES"]) + int(env.get("VAL_IMAGES", 0))
+    linear = e["startup_s"] + e["knn_compile_s"] + flag(linear_flags, "epochs", 100) * images / rate
+    stages = []
+    for m in methods:
+        if os.path.isfile(os.path.join(out, m, "linear", "results_linear.json")):
+            continue
+        stages += [(f"{m} pretrain", e["stage_s"]), (f"{m} linear", linear)]
+    said = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in stages)
+    print(f"=> estimated time of each stage on this machine: {said}; {sum(s for _, s in stages) / 60:.1f} min in "
+          f"all (the linear probe at {rate:.0f} images/s, the trunk's rate in the kNN)", flush=True)
 
 
 def finished(out, method):
@@ -147,8 +228,27 @@ def finished(out, method):
     return linear, lines[-1], json.load(open(read[2]))
 
 
+PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]  # sce.timing's
+
+
+def stage_split(folder):
+    """{part: seconds} of a stage's invocations (FOLDER/timing.txt, sce.timing), summed, or None."""
+    path = os.path.join(folder, "timing.txt")
+    if not os.path.isfile(path):
+        return None
+    total = dict.fromkeys(PARTS + ["wall"], 0.0)
+    for line in open(path).read().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        for part in total:
+            total[part] += row.get(f"{part}_s", 0.0)
+    return total
+
+
 def table(dataset, out, methods):
-    rows = {}
+    rows, splits = {}, {}
     for m in NAMES:
         results = finished(out, m)
         if results is None:
@@ -163,25 +263,36 @@ def table(dataset, out, methods):
         rows[m] = dict(linear_top1=linear["acc1"], linear_best_top1=linear["best_acc1"],
                        knn_top1=last.get("knn_top1"),  # the last epoch's, never an earlier one's
                        paper_linear_top1=PAPER[dataset][m], pretrain_s=None, linear_s=None)
+        splits[m] = {stage: stage_split(os.path.join(out, m, *sub)) for stage, sub in (("pretrain", ()),
+                                                                                        ("linear", ("linear",)))}
     times = {}
     if os.path.isfile(os.path.join(out, "times")):
         for line in open(os.path.join(out, "times")).read().splitlines():
             name, ms = line.rsplit(" ", 1)
             times[name] = times.get(name, 0) + int(ms) / 1000  # a stage run in several invocations adds up
     for m, row in rows.items():
-        row.update(pretrain_s=round(times.get(f"{m} pretrain", 0)), linear_s=round(times.get(f"{m} linear", 0)))
+        row.update(pretrain_s=round(times.get(f"{m} pretrain", 0)), linear_s=round(times.get(f"{m} linear", 0)),
+                   split={stage: {k: round(v, 1) for k, v in split.items()} if split else None
+                          for stage, split in splits[m].items()})
     env = read_env(os.path.join(out, "data.env"))
-    device, version = env["DEVICE"], env["TORCH"]
-    results = dict(dataset=dataset, device=device, torch=version, methods=rows)
+    device, version_ = env["DEVICE"], env["TORCH"]
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    lines = [f"{dataset} on {device}, torch {version}", "",
+        json.dump(dict(dataset=dataset, device=device, torch=version_, methods=rows), f, indent=1)
+    lines = [f"{dataset} on {device}, torch {version_}", "",
              "| method | linear top-1 (last / best) | kNN top-1 | paper (Sec. 4.2) | pretrain | linear |",
              "|---|---|---|---|---|---|"]
     for m, r in rows.items():
         knn = "-" if r["knn_top1"] is None else f"{r['knn_top1']:.2f}"
         lines.append(f"| {NAMES[m]} | {r['linear_top1']:.2f} / {r['linear_best_top1']:.2f} | {knn} | "
                      f"{r['paper_linear_top1']:.2f} | {r['pretrain_s'] / 60:.1f} min | {r['linear_s'] / 60:.1f} min |")
+    lines += ["", "Where each stage's time went (seconds; the stage's own processes, every invocation):", "",
+              "| stage | wall | " + " | ".join(p.replace("_", " ") for p in PARTS) + " |",
+              "|---|---|" + "---|" * len(PARTS)]
+    for m, r in rows.items():
+        for stage, split in r["split"].items():
+            if split:
+                lines.append(f"| {NAMES[m]} {stage} | {split['wall']:.1f} | "
+                             + " | ".join(f"{split[p]:.1f}" for p in PARTS) + " |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
@@ -192,8 +303,8 @@ def main(argv):
     command, rest = argv[0], argv[1:]
     if command == "check":
         check(*rest)
-    elif command == "estimate":
-        estimate(*rest[:4], rest[4:])
+    elif command == "show":
+        show(*rest[:7], rest[7:])
     else:
         table(rest[0], rest[1], rest[2:])
 

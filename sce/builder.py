@@ -227,3 +227,14 @@ class MomentumModel(nn.Module):
         self.enqueue(torch.cat([keys[t] for t in targets]))
         t, v = pairs[0]
         return loss, (queries[v].detach(), keys[t], queue)
+
+
+def build_model(args, criterion, bn_splits=1, sync_bn=False):
+    """The MomentumModel of main_pretrain.py's flags (arch, heads, queue, symmetric, shuffle-BN) with `criterion`
+    (sce.losses.criterion); bn_splits > 1: split BN (one process standing for several GPUs); sync_bn: SyncBatchNorm
+    (several ranks). main_pretrain.py and the benchmark build it here."""
+    return MomentumModel(criterion, arch=args.arch, small_input=args.small_input,
+                         proj_hidden_dims=args.proj_hidden_dims, proj_dim=args.proj_dim,
+                         proj_last_bn=args.proj_last_bn, pred_hidden_dims=args.pred_hidden_dims,
+                         queue_size=args.queue_size, symmetric=args.symmetric, shuffle_bn=args.shuffle_bn,
+                         bn_splits=bn_splits, sync_bn=sync_bn)

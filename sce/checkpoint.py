@@ -9,13 +9,16 @@ wherever a trunk is read.
 """
 import glob
 import os
+import queue
 import re
 import shutil
+import threading
 
 import torch
 
 from sce import UserError
 from sce.builder import build_trunk
+from sce.compiling import error_line
 
 
 def save_atomic(obj, path):
@@ -59,7 +62,7 @@ def write_atomic(path, write):
     except Exception as e:  # a full disk is not always an OSError: torch.save says "unexpected pos"
         if os.path.exists(tmp):
             os.remove(tmp)
-        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        reason = getattr(e, "strerror", None) or error_line(e)
         free = shutil.disk_usage(folder).free / 2 ** 20
         raise UserError(f"could not write checkpoint {path} ({reason}; {free:.0f} MiB free on its disk: free some "
                         "space or pass another --output-dir); the previous checkpoint is kept") from e
@@ -92,15 +95,109 @@ def alive(pid):
 
 
 def save(state, output_dir, numbered=False, keep=0):
-    """checkpoint_last.pth, plus checkpoint_NNNN.pth (NNNN = completed epochs) when `numbered`;
-    keep > 0 keeps only the newest `keep` numbered copies."""
+    """checkpoint_last.pth, plus checkpoint_NNNN.pth (NNNN = completed epochs) when `numbered`, a second name of
+    the same file; keep > 0 keeps only the newest `keep` numbered copies."""
     last = os.path.join(output_dir, "checkpoint_last.pth")
     save_atomic(state, last)
     if numbered:
-        copy_atomic(last, os.path.join(output_dir, f"checkpoint_{state['epoch']:04d}.pth"))
+        link_atomic(last, os.path.join(output_dir, f"checkpoint_{state['epoch']:04d}.pth"))
         if keep > 0:
             for old in sorted(numbered_checkpoints(output_dir))[:-keep]:
                 os.remove(old)
+
+
+def link_atomic(source, path):
+    """`path` made a second name of `source`'s file (a hard link: nothing written twice; the next save_atomic of
+    `source` renames a new file over that name, this one keeps the old); a copy where the file system has none."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.link{os.getpid()}")
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.link(source, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        copy_atomic(source, path)
+
+
+def snapshot(obj):
+    """A copy of a (nested) state whose tensors are cloned where they are (a GPU's stay there, copied in stream
+    order): the training may go on changing the originals while the copy is written."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class Writer:
+    """Checkpoints written in the background by one thread, so that an epoch's end does not wait for the disk.
+    save() snapshots the state (on its device) and returns; at most one save is in flight (the next waits for it);
+    then(fn) runs fn once everything submitted before it is on disk (an epoch's line of log.txt after its
+    checkpoint). A failed write (a full disk: a UserError naming it) drops what was queued behind it and is raised
+    by the next save(), then() or wait(): at the next epoch's end, a stop, or the run's end, which all wait."""
+
+    def __init__(self):
+        self.jobs, self.error = queue.Queue(), None
+        self.thread = threading.Thread(target=self._work, daemon=True, name="checkpoint-writer")
+        self.thread.start()
+
+    def _work(self):
+        while True:
+            job = self.jobs.get()
+            try:
+                if self.error is None:
+                    job()
+            except BaseException as e:  # noqa: BLE001: raised in the training thread by the next call
+                self.error = e
+            finally:
+                self.jobs.task_done()
+
+    def save(self, state, output_dir, numbered=False, keep=0):
+        self.wait()
+        copy = snapshot(state)
+        ready = None
+        if any(t.is_cuda for t in _tensors(copy)):  # the writer's copy to the host waits for the clones
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def write():
+            if ready is not None:
+                ready.synchronize()
+            save(copy, output_dir, numbered, keep)
+        self.jobs.put(write)
+
+    def then(self, fn):
+        self._raise()
+        self.jobs.put(fn)
+
+    def wait(self, quiet=False):
+        """Until everything submitted is done; raises the error of a failed write (quiet: says it, while another
+        error ends the run)."""
+        self.jobs.join()
+        if quiet and self.error is not None:
+            print(f"error: {self.error}", flush=True)
+            self.error = None
+        self._raise()
+
+    def _raise(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def numbered_checkpoints(output_dir):
@@ -124,8 +221,7 @@ def load(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path} is not a readable PyTorch checkpoint ({reason})") from None
+        raise UserError(f"{path} is not a readable PyTorch checkpoint ({error_line(e)})") from None
     if not isinstance(ckpt, dict):
         raise UserError(f"{path} holds a {type(ckpt).__name__}, expected a checkpoint dict")
     return ckpt

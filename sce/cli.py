@@ -14,8 +14,9 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, checkpoint
+from sce import UserError, checkpoint, timing
 from sce.builder import ARCHS
+from sce.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_during_startup
 
 # ---------------------------------------------------------------- --help
 
@@ -176,14 +177,45 @@ def run(main):
     torchrun a failing rank writes the error file that torchrun's summary reads, so the summary
     names the first rank that failed and its message, whatever its peers raise next. A UserError
     then ends as one line `error: ...` on stderr, exit status 1, no traceback; any other exception
-    keeps its traceback. Whatever the exit, its loader workers end with it."""
+    keeps its traceback. A stop signal before the run's loop takes the signals over ends it at once with
+    PREEMPTED_EXIT_CODE and one line (sce.preemption.Stopped). Whatever the exit, its loader workers end with it,
+    and the process leaves at once (leave)."""
+    timing.STARTED = timing.process_start()  # the split's start-up counts the interpreter's and the imports'
     stop_with_parent()
+    stop_during_startup()
     try:
         record(main, _ErrorFile())()
+        code = 0
     except UserError as e:
-        sys.exit(f"error: {one_line(e)}")
+        code = f"error: {one_line(e)}"
+    except Stopped as e:
+        print(f"=> stopped by {e} during start-up, before any training: nothing to save; run the same command again "
+              f"to start (exiting with code {PREEMPTED_EXIT_CODE})", flush=True)
+        code = PREEMPTED_EXIT_CODE
+    except SystemExit as e:
+        code = e.code
     finally:
         end_workers()
+    leave(code)
+
+
+EXIT_AT_ONCE = True  # False where the scripts run inside another program (the tests)
+
+
+def leave(code):
+    """sys.exit(code), but in a script's own process at once: the interpreter's teardown of torch and torchvision
+    takes one or two seconds and does nothing a finished run needs (its files are closed and its checkpoints
+    written, its loader workers ended)."""
+    if not EXIT_AT_ONCE:
+        if code not in (0, None):
+            sys.exit(code)
+        return
+    if isinstance(code, str):  # sys.exit's way with a message
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if code is None else code)
 
 
 def one_line(error):

@@ -16,7 +16,8 @@ import warnings
 
 import torch
 
-from sce import UserError, compiling
+from sce import UserError
+from sce.compiling import Fallback, compile_module, error_line, revert_to_eager
 
 GRAPH_WARMUP = 3  # eager steps before a CUDA graph's capture: compiles and cuDNN's autotuning happen there
 
@@ -98,9 +99,9 @@ class Step:
 
     compiled: its modules were torch.compile'd (compile_model). torch.compile compiles at the first call, the
     backward at the first backward, so during the first WATCH calls the model, optimizer, scaler and RNG states
-    are copied (to host memory) before each call: if a call raises, they are put back, the modules turn eager,
-    the same call runs again and one warning names the cause (`compile_failed`; `compiled` is False from then
-    on). An error of the eager call is not the compiler's: it propagates.
+    are copied (to host memory) before each call: if a call raises, they are put back, the modules turn eager and
+    the same call runs again (sce.compiling.Fallback: one warning; `compile_failed` says why, `compiled` is False
+    from then on). An error of the eager call is not the compiler's: it propagates.
     graphs (the capture mechanism: CudaGraphs; the tests use a CPU stand-in): the first `warmup` calls are eager
     steps (on a side stream, as capture requires); the next captures the step on static copies of its inputs
     (`capture_s` seconds, at call `captured_at`), then replays it: one launch for the whole step instead of
@@ -112,13 +113,21 @@ class Step:
     WATCH = 3
 
     def __init__(self, training, compiled=False, graphs=None, warmup=GRAPH_WARMUP):
-        self.t, self.compiled, self.graphs, self.warmup = training, compiled, graphs, warmup
-        self.calls, self.watch = 0, self.WATCH if compiled else 0
-        self.compile_failed = self.capture_failed = None  # the cause, once it failed
-        self.capture_s = self.captured_at = None
+        self.t, self.graphs, self.warmup = training, graphs, warmup
+        self.calls, self.watch, self.saved = 0, self.WATCH if compiled else 0, None
+        self.fallback = Fallback("the training step", self._run, self._run, self._undo) if compiled else None
+        self.capture_failed = self.capture_s = self.captured_at = None
         self.replay = self.outputs = self.static_views = self.momentum = None
         if graphs:
             training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs)
+
+    @property
+    def compile_failed(self):
+        return self.fallback.failed if self.fallback else None
+
+    @property
+    def compiled(self):
+        return self.fallback is not None and self.fallback.failed is None
 
     def describe(self):
         """What the step is, for the start-up line."""
@@ -131,21 +140,18 @@ class Step:
 
     def __call__(self, views, momentum):
         self.calls += 1
-        if self.watch <= 0:
+        if self.watch <= 0 or self.compile_failed:
             return self._run(views, momentum)
         self.watch -= 1
-        saved = self._save()
+        self.saved = self._save()
         try:
-            return self._run(views, momentum)
-        except Exception as e:  # noqa: BLE001: whatever stopped the compiled step, the eager one decides
-            self.watch, self.compiled = 0, False
-            self._restore(saved)
-            revert_to_eager(self.t.model)
-            out = self._run(views, momentum)
-            self.compile_failed = error_line(e)
-            warnings.warn(f"--compile: torch.compile of the training step failed ({self.compile_failed}): running "
-                          "it eagerly")
-            return out
+            return self.fallback(views, momentum)
+        finally:
+            self.saved = None
+
+    def _undo(self):
+        self._restore(self.saved)
+        revert_to_eager(self.t.model)
 
     def _run(self, views, momentum):
         if self.graphs is None:
@@ -254,12 +260,11 @@ def compile_model(model, compiles):
     queue, the all_gather and the loss stay eager. nn.Module.compile keeps the state-dict keys, so compiled and
     eager checkpoints mix. A module without parameters (the default Identity predictor) stays eager: its empty
     graph on the shared compiled wrapper left the heads running uncompiled from the second call, and split BN
-    recompiling."""
+    recompiling. A failed compile is the Step's to undo (its backward's fails outside the modules' calls)."""
     for name in ("encoder", "projector", "predictor", "momentum_encoder", "momentum_projector"):
         module = getattr(model, name)
         if any(True for _ in module.parameters()):
-            module.compile()
-            module._compiled_call_impl = compiles.timed(name, module._compiled_call_impl)
+            compile_module(module, name, compiles, fallback=False)
 
 
 def resolve_compile(flag, device):
@@ -270,34 +275,3 @@ def resolve_compile(flag, device):
         return True
     return (flag is None and device.type == "cuda" and torch._dynamo.is_dynamo_supported()
             and importlib.util.find_spec("triton") is not None)
-
-
-def error_line(e):
-    """The cause of an error in one line; of a failed compile, the compiler's (BackendCompilerFailed wraps it)."""
-    e = getattr(e, "inner_exception", e)
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-
-
-def revert_to_eager(model):
-    """Undo nn.Module.compile on `model` and its submodules."""
-    for module in model.modules():
-        module._compiled_call_impl = None
-
-
-def compile_trunk(module, compiles=None):
-    """torch.compile a frozen trunk in place (state-dict keys kept), its compiles timed in `compiles` (a
-    compiling.Log). In eval mode it changes no state, so a compiled call that fails is simply redone eagerly:
-    one warning, and the module stays eager."""
-    module.compile()
-    compiled = (compiles or compiling.Log()).timed("trunk", module._compiled_call_impl)
-
-    def call(*args, **kwargs):
-        try:
-            return compiled(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001: whatever stopped the compiled call, the eager one decides
-            module._compiled_call_impl = None
-            out = module._call_impl(*args, **kwargs)
-            warnings.warn(f"--compile: torch.compile of the trunk failed ({error_line(e)}): running it eagerly")
-            return out
-    module._compiled_call_impl = call
-    return module

@@ -1,8 +1,9 @@
 """One epoch of pretraining and its end: the schedules of each step, the step itself (sce.engine.Step), the loss
 and eq. 10 terms averaged on the device over the finite steps of each window and of the epoch (a window
 without one reads NaN, never 0), the progress line, TensorBoard, the stops for non-finite steps and stop
-requests; then the epoch's checkpoint, its kNN and its line of log.txt; and the one way out of the loop
-(finish). main_pretrain.py builds the Run."""
+requests; then the epoch's checkpoint (written in the background), its kNN and its line of log.txt (once its
+checkpoint is on disk), the estimate after the first epoch; and the one way out of the loop (finish).
+main_pretrain.py builds the Run."""
 import argparse
 import dataclasses
 import json
@@ -11,26 +12,21 @@ import time
 
 import torch
 
-from sce import UserError, checkpoint
+from sce import UserError
 from sce import distributed as du
 from sce.builder import momentum_at
+from sce.checkpoint import Writer
+from sce.compiling import graphs_compiled
 from sce.engine import Step, Training
-from sce.optim import cosine_lr, scheduled, set_lr
-from sce.preemption import PREEMPTED_EXIT_CODE, Preemption
+from sce.losses import Lambda
+from sce.optim import cosine_lr, set_lr
+from sce.preemption import Preemption, stop
 from sce.progress import format_eta
 from sce.resume import run_state
+from sce.timing import Split
 
 # the loss and the three terms of eq. 10 (of the first (target, query) pair), averaged over finite steps
 TERMS = ["loss", "infonce", "ressl", "ceil"]
-
-
-def lambda_scheduled(args):
-    return args.lambda_schedule != "constant" or args.lambda_warmup_steps > 0
-
-
-def lambda_at(args, step, total_steps):
-    return scheduled(step, total_steps, args.lambda_, args.lambda_end, args.lambda_schedule,
-                     args.lambda_warmup_steps, args.lambda_warmup_start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +35,18 @@ class Run:
     args: argparse.Namespace
     training: Training
     step: Step
-    batches: object  # iterating: the epoch's lists of views on the device (sce.data.PretrainBatches); wait_s
+    batches: object  # iterating: the epoch's lists of views on the device (sce.data.pretrain_batches); wait_s
     steps_per_epoch: int
     device: torch.device
-    writer: object  # TensorBoard SummaryWriter on rank 0, else None
+    tensorboard: object  # TensorBoard SummaryWriter on rank 0, else None
     preemption: Preemption
     base_lr: float
     first_step: int  # the global step this invocation starts at
-    lam: torch.Tensor = None  # lambda of the step on the device, filled each step, when scheduled
-    compiles: object = None  # sce.compiling.Log of the run's compiles
+    lam: Lambda
+    checkpoints: Writer  # rank 0's background checkpoint writer
+    split: Split  # where this invocation's wall time goes
+    monitor: object = None  # the kNN monitor (sce.knn.Monitor), or None
+    data: dict = None  # the dataset's identity (sce.resume.run_state)
 
     @property
     def total_steps(self):
@@ -85,12 +84,8 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
         lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
         set_lr(run.training.optimizer, lr)
         m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
-        lam = lambda_at(args, step, run.total_steps)
-        if run.lam is not None:
-            run.lam.fill_(lam)
-        started = time.time()
-        loss, finite, terms = run.step(views, m)
-        note_first_steps(run, step, started)
+        lam = run.lam.at(step, run.total_steps)
+        loss, finite, terms = timed_step(run, step, views, m)
         nonfinite = torch.where(finite, torch.zeros_like(nonfinite), nonfinite + 1)  # no sync
         finite_losses += torch.isfinite(loss)
         values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name] for name in TERMS[1:]])
@@ -124,19 +119,25 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     return Epoch(None, stats, nonfinite)
 
 
-def note_first_steps(run, step, started):
-    """One line each for what the first steps of this invocation cost: compiling, capturing the graph."""
+def timed_step(run, step, views, momentum):
+    """run.step(views, momentum); a call that compiled (or captured the CUDA graph) is compiling's time, not the
+    steps', and the first of this invocation says what it cost."""
+    graphs, logged, started = graphs_compiled(), run.split.compiles.total(), time.time()
+    out = run.step(views, momentum)
+    captured = run.step.captured_at is not None and run.step.captured_at == run.step.calls
+    if graphs_compiled() != graphs or captured:  # the Log holds the forwards' compiles; the rest is the backward's
+        run.split.add("compiling", time.time() - started - (run.split.compiles.total() - logged))
     if not du.is_main():
-        return
+        return out
     if step == run.first_step and run.args.compile:
-        took = f"{time.time() - started:.1f} s"
-        failed = run.step.compile_failed
+        took, failed = f"{time.time() - started:.1f} s", run.step.compile_failed
         print(f"=> compiling failed ({failed}): eager steps, the first took {took}" if failed
-              else f"=> the first step took {took}, compiling (each compile: {run.compiles.summary() or 'none'}; "
+              else f"=> the first step took {took}, compiling (each compile: {run.split.compiles.summary() or 'none'}; "
                    "the backward's is inside the step's time)", flush=True)
-    if run.step.captured_at is not None and run.step.captured_at == run.step.calls:
+    if captured:
         print(f"=> the step runs as a CUDA graph from step {step + 1} on (capture {run.step.capture_s:.2f} s)",
               flush=True)
+    return out
 
 
 def window_means(sums, steps):
@@ -164,65 +165,101 @@ def log_progress(run, epoch, i, step, stats, seconds_per_step):
           f"lr {stats['lr']:.4g} m {stats['momentum']:.5f} {stats['images_per_s']:.1f} img/s "
           f"data {100 * stats['data_wait_share']:.0f}%{memory} skipped {stats['skipped_steps']} "
           f"eta {format_eta(eta)}", flush=True)
-    if run.writer:
+    if run.tensorboard:
         for name, value in stats.items():
-            run.writer.add_scalar(f"terms/{name}" if name in TERMS[1:] else f"train/{name}", value, step)
+            run.tensorboard.add_scalar(f"terms/{name}" if name in TERMS[1:] else f"train/{name}", value, step)
 
 
 # ---------------------------------------------------------------- the end of an epoch
 
-def end_epoch(run, done, stats, data, monitor):
-    """After `done` epochs: save (rank 0; seconds for a ResNet-50 and its queue, while the other ranks wait at the
-    kNN monitor or the barrier), then the epoch's line of log.txt with its kNN. The checkpoint holds the line's
-    statistics: a run stopped between the two completes the line when rerun (log_epoch). data: the dataset's
-    identity (sce.resume.run_state); monitor: the kNN monitor (sce.knn.Monitor) or None."""
-    args, t = run.args, run.training
+def end_epoch(run, done, stats):
+    """After `done` epochs: rank 0 saves in the background (a snapshot of the state now; the next epoch trains while
+    it is written), the kNN monitor runs when due, then the epoch's line of log.txt, written once the checkpoint is
+    on disk. The checkpoint holds the line's statistics: a run stopped between the two completes the line when
+    rerun. After the first epoch of an invocation, the estimate."""
+    args, t, split = run.args, run.training, run.split
     if du.is_main():
-        checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch, data,
-                                  stats),
-                        args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
-                        keep=args.keep_checkpoints)
-    log_epoch(args, t.model, done, stats, monitor, run.writer)
+        split.timed("epoch_ends", lambda: run.checkpoints.save(
+            run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch, run.data, stats),
+            args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs, keep=args.keep_checkpoints))
+    first = done - 1 == run.first_step // run.steps_per_epoch
+    knn = split.timed("knn", run.monitor, t.model) if run.monitor and knn_due(args, done, first) else None
+    split.timed("epoch_ends", log_epoch, args, done, stats, knn, run.tensorboard, run.checkpoints)
+    if first and du.is_main():
+        estimate(run, done)
 
 
-def log_epoch(args, model, done, stats, monitor, writer):
-    """Epoch `done`'s line of log.txt (one JSON line per epoch, as DINO's): its statistics, and the kNN monitor's
-    numbers when due (every rank computes them)."""
+def knn_due(args, done, first=False):
+    """Whether the kNN monitor runs after epoch `done`: every --knn-every epochs, after the last, and after the first
+    epoch of each invocation (its time and the trunk's rate go into the estimate)."""
+    return bool(args.knn_every) and (first or done % args.knn_every == 0 or done == args.epochs)
+
+
+def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
+    """Epoch `done`'s line of log.txt (one JSON line per epoch, as DINO's): its statistics and the kNN monitor's
+    (top-1, top-5) `knn` if it ran; written by rank 0 once what `checkpoints` (a Writer) has in hand is on disk."""
     log = dict(epoch=done, **stats)
-    if monitor and args.knn_every and (done % args.knn_every == 0 or done == args.epochs):
-        log["knn_top1"], log["knn_top5"] = monitor(model)
+    if knn:
+        log["knn_top1"], log["knn_top5"] = knn
         if du.is_main():
-            print(f"=> epoch {done}: kNN top-1 {log['knn_top1']:.2f} top-5 {log['knn_top5']:.2f}", flush=True)
-        if writer:
-            writer.add_scalar("knn/top1", log["knn_top1"], done)
-            writer.add_scalar("knn/top5", log["knn_top5"], done)
+            print(f"=> epoch {done}: kNN top-1 {knn[0]:.2f} top-5 {knn[1]:.2f}", flush=True)
+        if tensorboard:
+            tensorboard.add_scalar("knn/top1", knn[0], done)
+            tensorboard.add_scalar("knn/top5", knn[1], done)
     if du.is_main():
-        with open(os.path.join(args.output_dir, "log.txt"), "a") as f:
-            f.write(json.dumps(log) + "\n")
+        def write():
+            with open(os.path.join(args.output_dir, "log.txt"), "a") as f:
+                f.write(json.dumps(log) + "\n")
+        checkpoints.then(write) if checkpoints else write()
     du.barrier()
 
 
-def finish(run, result, done, data):
+def estimate(run, done):
+    """After the first epoch of this invocation: what it measured, the stage's time at those rates (its remaining
+    epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json (benchmarks/reproduce.sh adds
+    the linear probe at the trunk's forward rate the kNN measured)."""
+    args, (parts, wall) = run.args, run.split.report()
+    steps_run = done * run.steps_per_epoch - run.first_step  # a resumed epoch's steps may be fewer
+    epoch_s = parts["steps"] * run.steps_per_epoch / max(1, steps_run)
+    knn_s = parts["knn"]
+    knn_left = sum(knn_due(args, e) for e in range(done + 1, args.epochs + 1)) if run.monitor else 0
+    left = (args.epochs - done) * (epoch_s + parts["epoch_ends"]) + knn_left * knn_s
+    forward = run.monitor.images / knn_s if run.monitor and run.monitor.images and knn_s > 0 else None
+    fields = dict(epoch=done, epochs=args.epochs, wall_s=wall, left_s=left, stage_s=wall + left, epoch_s=epoch_s,
+                  images_per_s=run.steps_per_epoch * args.batch_size / max(epoch_s, 1e-9),
+                  epoch_end_s=parts["epoch_ends"], knn_s=knn_s, knn_runs_left=knn_left,
+                  knn_compile_s=run.monitor.compile_s if run.monitor else 0.0, forward_images_per_s=forward,
+                  startup_s=parts["startup"], compiling_s=parts["compiling"])
+    with open(os.path.join(args.output_dir, "estimate.json"), "w") as f:
+        json.dump(fields, f, indent=1)
+    knn = f", a kNN {knn_s:.1f} s ({forward:.0f} images/s)" if forward else ""
+    print(f"=> estimate after epoch {done}: an epoch {epoch_s:.2f} s of steps ({fields['images_per_s']:.0f} img/s) "
+          f"and {parts['epoch_ends']:.2f} s at its end{knn}; start-up {parts['startup']:.1f} s, compiling "
+          f"{parts['compiling']:.1f} s: this stage {(wall + left) / 60:.1f} min in all, {left / 60:.1f} min left",
+          flush=True)
+
+
+def finish(run, result, done):
     """The one way out of the epoch loop, after `done` epochs and the last epoch's `result`: a mid-epoch stop
-    saved, each way of stopping said, and exit PREEMPTED_EXIT_CODE when a stop was requested before the end."""
+    saved, each way of stopping said, every checkpoint on disk, and exit PREEMPTED_EXIT_CODE when a stop was
+    requested before the end."""
     args, t, main_rank = run.args, run.training, du.is_main()
+    run.split.done()
     if result.stopped_at is not None:
-        if main_rank:
-            checkpoint.save(run_state(t.model, t.optimizer, t.scaler, args, done, result.stopped_at,
-                                      done * run.steps_per_epoch + result.stopped_at, data, epoch_sums=result.sums),
-                            args.output_dir)
-            print(f"=> preempted: saved epoch {done} step {result.stopped_at} to {args.output_dir}; exiting with "
-                  f"code {PREEMPTED_EXIT_CODE}", flush=True)
-        du.barrier()
-        run.preemption.exit(run.writer)
+        def save():
+            run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, done, result.stopped_at,
+                                           done * run.steps_per_epoch + result.stopped_at, run.data,
+                                           epoch_sums=result.sums), args.output_dir)
+            run.checkpoints.wait()
+        stop(run.preemption, run.tensorboard, f"epoch {done} step {result.stopped_at} to {args.output_dir}", save)
+    if main_rank:
+        run.checkpoints.wait()
     if done < args.epochs and run.preemption.requested():
-        if main_rank:
-            print(f"=> preempted: saved epoch {done}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
-        run.preemption.exit(run.writer)
+        stop(run.preemption, run.tensorboard, f"epoch {done}")
     if done < args.epochs and main_rank:
         print(f"=> stopping after {args.stop_after_epochs} epoch(s) as asked; resume to continue", flush=True)
-    if run.writer:
-        run.writer.close()
+    if run.tensorboard:
+        run.tensorboard.close()
 
 
 def epochs_logged(output_dir):
@@ -236,4 +273,3 @@ def epochs_logged(output_dir):
                 except (ValueError, KeyError, TypeError):  # a line cut short by a kill
                     pass
     return du.all_gather_object(last)[0]
-

@@ -1,5 +1,5 @@
-"""Feature extraction, its cache for the scikit-learn evaluations, and the weighted kNN classifier (Wu et al.
-2018, as in the MoCo / SCE monitors), shared by every rank.
+"""Feature extraction and the weighted kNN classifier (Wu et al. 2018, as in the MoCo / SCE monitors), shared by
+every rank: main_lincls.py --knn and the kNN monitor of main_pretrain.py.
 
 Each rank extracts its own shard of the train (bank) and val (query) splits: no image twice, none
 dropped. The bank stays sharded; the queries are gathered. For each chunk of queries every rank
@@ -8,27 +8,32 @@ merged, so every rank ends with the scores one process would compute. Peak devic
 its bank shard (N_train / ranks x D), all queries (N_val x D), one chunk of similarities
 (chunk x N_train / ranks) and the gathered candidates (ranks x chunk x k).
 """
-import hashlib
-import json
-import os
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from sce import UserError
 from sce import distributed as du
-from sce.checkpoint import save_atomic
-from sce.engine import error_line, revert_to_eager
+from sce.compiling import Fallback, Log, revert_to_eager
 from sce.progress import Progress
 
 
+def padded(trunk, images, batch_size=None):
+    """trunk(images); a batch smaller than `batch_size` padded to it with zeros first, so that a compiled trunk sees
+    one shape (the rows of a trunk in eval mode do not depend on each other)."""
+    n = len(images)
+    if batch_size and n < batch_size:
+        images = torch.cat([images, images.new_zeros((batch_size - n,) + images.shape[1:])])
+    return trunk(images)[:n]
+
+
 @torch.no_grad()
-def extract_features(trunk, batches, channels_last=False, normalize=True, name=None):
+def extract_features(trunk, batches, channels_last=False, normalize=True, name=None, pad=False):
     """Trunk features (l2-normalised unless normalize=False) and labels of a split's batches (of
     sce.data.EvalSplit.batches: images and targets on the device), in their order, with the trunk in eval
-    mode. `name`: print progress on rank 0."""
+    mode. `name`: print progress on rank 0. pad: the last, partial batch is padded to a whole one (a compiled
+    trunk: no second compile)."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
@@ -36,7 +41,7 @@ def extract_features(trunk, batches, channels_last=False, normalize=True, name=N
     for images, targets in batches:
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
-        out = trunk(images).float()
+        out = padded(trunk, images, batches.batch_size if pad else None).float()
         feats.append(F.normalize(out, dim=1) if normalize else out)
         labels.append(targets)
         progress.update(len(images))
@@ -46,36 +51,6 @@ def extract_features(trunk, batches, channels_last=False, normalize=True, name=N
             shown = time.time()
     trunk.train(was_training)
     return torch.cat(feats), torch.cat(labels)
-
-
-def split_features(trunk, split, name, output_dir, /, *, checkpoint, batch_size=256, amp_dtype=None, **key):
-    """Global-average-pooled features (float32 numpy, not normalised) of every image of `split` (an
-    sce.data.EvalSplit), in order, with the trunk in eval mode, on one process.
-
-    Cached in OUTPUT_DIR/features_<name>_<hash>.pt. The key: the checkpoint file (path, size, mtime), the split's
-    name, size and route and geometry, the autocast dtype, the caller's **key (encoder, arch, data path, ...). It
-    is stored in the file and compared on reading; a file that does not load is recomputed."""
-    st = os.stat(checkpoint)
-    key = dict(key, checkpoint=os.path.abspath(checkpoint), mtime_ns=st.st_mtime_ns, size=st.st_size,
-               split=name, n=len(split), read=split.describe(), amp=str(amp_dtype))
-    key = json.loads(json.dumps(key, sort_keys=True, default=str))  # as it reads back from the file
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(output_dir, f"features_{name}_{digest}.pt")
-    if os.path.isfile(path):
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            if blob.get("key") == key:
-                print(f"{name}: features read from {path}", flush=True)
-                return blob["features"].numpy()
-        except Exception as e:  # a truncated or foreign file: compute it again
-            print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
-    device = next(trunk.parameters()).device
-    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        feats, _ = extract_features(trunk, split.batches(batch_size), normalize=False, name=f"{name} features")
-    feats = feats.cpu()
-    os.makedirs(output_dir, exist_ok=True)
-    save_atomic({"key": key, "features": feats}, path)
-    return feats.numpy()
 
 
 def gather_rows(x):
@@ -120,18 +95,20 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
     return [100.0 * hit[:, :k].any(dim=1).float().mean().item() for k in ks]
 
 
-def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0):
+def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0,
+                 pad=False):
     """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
-    measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each."""
+    measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each. pad: see
+    extract_features."""
     if max_train and max_train < len(train_set):
         train_set = train_set.subset(torch.randperm(len(train_set),
                                                     generator=torch.Generator().manual_seed(seed))[:max_train])
     if min(len(train_set), len(val_set)) < du.world_size():  # every rank raises: none waits for an empty shard
         raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
-    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features")
+    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad=pad)
     queries, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size),
-                                                                name="val features"))
+                                                                name="val features", pad=pad))
     return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
 
 
@@ -139,29 +116,34 @@ class Monitor:
     """The kNN monitor of main_pretrain.py: monitor(model) -> the kNN (top-1, top-5) of its online encoder on
     `sets` (train EvalSplit, val EvalSplit, number of classes), every rank its share. BN running statistics are
     rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's. compiled: the encoder is
-    compiled, and compiles again in eval mode: a failure there costs the monitor nothing (it runs eagerly)."""
+    compiled, and compiles once more, in eval mode, at the first call (the last batch padded: no other shape); a
+    failure there costs the monitor nothing (sce.compiling.Fallback: the encoder runs eagerly). Of the last call:
+    `seconds` (compiling included), `compile_s`, `images` (how many it read)."""
 
     def __init__(self, sets, k, t, max_train=None, seed=0, compiled=False, compiles=None):
         self.sets, self.k, self.t, self.max_train, self.seed = sets, k, t, max_train, seed
-        self.compiled, self.compiles = compiled, compiles
+        self.compiles = compiles or Log()
+        self.fallback = None
+        self.seconds = self.images = self.compile_s = None
+        self.compiled = compiled
 
-    def accuracy(self, model):
-        before = len(self.compiles.seconds) if self.compiles else 0
-        result = knn_accuracy(model.encoder, *self.sets, self.k, self.t, max_train=self.max_train, seed=self.seed)
-        if self.compiles and len(self.compiles.seconds) > before and du.is_main():  # eval mode, the last batch
+    def accuracy(self, model, pad):
+        before = len(self.compiles.seconds)
+        result = knn_accuracy(model.encoder, *self.sets, self.k, self.t, max_train=self.max_train, seed=self.seed,
+                              pad=pad)
+        if len(self.compiles.seconds) > before and du.is_main():  # the encoder in eval mode
             print(f"=> the kNN monitor compiled the encoder: {self.compiles.summary(before)}", flush=True)
         return result
 
     def __call__(self, model):
+        start, logged = time.time(), self.compiles.total()
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)
-        if not self.compiled:
-            return self.accuracy(model)
-        try:
-            return self.accuracy(model)
-        except Exception as e:  # noqa: BLE001: whatever stopped the compiled encoder, the eager one decides
-            revert_to_eager(model.encoder)
-            self.compiled = False
-            result = self.accuracy(model)
-            warnings.warn(f"--compile: the kNN monitor's compile failed ({error_line(e)}): the encoder runs eagerly")
-            return result
+        if self.compiled and self.fallback is None:
+            self.fallback = Fallback("the kNN monitor's encoder", lambda: self.accuracy(model, True),
+                                     lambda: self.accuracy(model, False), lambda: revert_to_eager(model.encoder))
+        result = self.fallback() if self.fallback else self.accuracy(model, False)
+        train = min(len(self.sets[0]), self.max_train or len(self.sets[0]))
+        self.seconds, self.images = time.time() - start, train + len(self.sets[1])
+        self.compile_s = self.compiles.total() - logged
+        return result

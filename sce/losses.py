@@ -11,6 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from sce.optim import scheduled
+
 
 def _similarities(q, k, queue):
     """(N, 1) positive and (N, M) negative cosine similarities of the queries."""
@@ -93,15 +95,39 @@ METHODS = {
 }
 
 
-def criterion(args, lambda_=None):
+def criterion(args, lam=None):
     """The loss main_pretrain.py's settings ask for (args.loss, the temperatures, lambda or eq. 10's
-    coefficients); lambda_ overrides --lambda (a device tensor, when it follows a schedule)."""
+    coefficients); lam: its Lambda (a device tensor when it follows a schedule), by default --lambda."""
     if args.loss == "combined":
-        lam, mu, eta = args.loss_coeffs
-        return functools.partial(combined_loss, lambda_=lam, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
+        lam_, mu, eta = args.loss_coeffs
+        return functools.partial(combined_loss, lambda_=lam_, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
     if args.loss == "infonce":
         return functools.partial(infonce_loss, tau=args.tau)
     if args.loss == "ressl":
         return functools.partial(ressl_loss, tau=args.tau, tau_m=args.tau_m)
-    return functools.partial(sce_loss, lambda_=args.lambda_ if lambda_ is None else lambda_, tau=args.tau,
+    return functools.partial(sce_loss, lambda_=args.lambda_ if lam is None else lam.value, tau=args.tau,
                              tau_m=args.tau_m, mask_positive=args.mask_positive)
+
+
+def lambda_scheduled(args):
+    """Whether lambda moves during training (--lambda-schedule, --lambda-warmup-steps)."""
+    return args.lambda_schedule != "constant" or args.lambda_warmup_steps > 0
+
+
+class Lambda:
+    """Lambda of eq. 7 through training, held here only: --lambda, or its schedule (a warmup from
+    --lambda-warmup-start, then constant or linear / cosine to --lambda-end). When it moves, `value` is a device
+    tensor the criterion reads, filled in place at each step (a CUDA graph of the step reads it too)."""
+
+    def __init__(self, args, device=torch.device("cpu")):
+        self.args = args
+        self.value = torch.tensor(args.lambda_, device=device) if lambda_scheduled(args) else args.lambda_
+
+    def at(self, step, total_steps):
+        """Lambda at `step` (for the logs), put into the criterion's tensor when it moves."""
+        a = self.args
+        lam = scheduled(step, total_steps, a.lambda_, a.lambda_end, a.lambda_schedule, a.lambda_warmup_steps,
+                        a.lambda_warmup_start)
+        if torch.is_tensor(self.value):
+            self.value.fill_(lam)
+        return lam

@@ -58,6 +58,14 @@ class Lock:
             self.fd = None
 
 
+def write_json(path, obj):
+    """json.dump to a temporary file beside `path`, renamed over it: a stop or a kill never leaves half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
 def trunk_digest(trunk):
     """A short hash of a trunk's weights and BN statistics (what an evaluation's numbers depend on)."""
     h = hashlib.blake2b(digest_size=8)
@@ -85,5 +93,4 @@ def bind_evaluation(path, pretrained, trunk, dataset, data):
             raise UserError(f"{path} holds an evaluation on other data (--dataset {theirs.get('dataset')} --data "
                             f"{theirs.get('data')}): pass another --output-dir")
         return
-    with open(file, "w") as f:
-        json.dump(mine, f, indent=1)
+    write_json(file, mine)

@@ -1,5 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) or SIGINT (Ctrl-C) make every rank stop at the next
-check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved."""
+check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved. Before a run's
+loop takes them over (Preemption), the same signals stop the start-up at once (Stopped: exit 75, one line,
+nothing to save)."""
 import datetime
 import signal
 import sys
@@ -20,6 +22,19 @@ def ignore_stop_signals(worker_id=None):
     leave the saving to their rank."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+class Stopped(Exception):
+    """A stop signal during start-up, before the run's loop took the stop signals over: nothing to save."""
+
+
+def stop_during_startup():
+    """Until a Preemption takes them over, each stop signal raises Stopped where the process is (sce.cli.run turns
+    it into exit PREEMPTED_EXIT_CODE and one line): preloading or listing a dataset stops at once."""
+    def handler(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
 
 
 class Preemption:
@@ -62,3 +77,15 @@ class Preemption:
             writer.close()  # flush this run's last scalars
         du.cleanup()
         sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def stop(preemption, tensorboard, said, save=None):
+    """The one way a run leaves on a stop request, pretraining's and the linear probe's: on rank 0, save() (the
+    state, written and waited for) and a line `=> preempted: saved {said}`; then every rank leaves with
+    PREEMPTED_EXIT_CODE."""
+    if du.is_main():
+        if save:
+            save()
+        print(f"=> preempted: saved {said}; exiting with code {PREEMPTED_EXIT_CODE}", flush=True)
+    du.barrier()
+    preemption.exit(tensorboard)

@@ -19,6 +19,9 @@ from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from sce import cli  # noqa: E402
+
+cli.EXIT_AT_ONCE = False  # the scripts run in this process too (exit_message): leave it to pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # a core a worker (pytest.ini: -n auto); two threads on a busy core run ~10x slower
 

@@ -29,7 +29,7 @@ base_lr = 0.5 * global_batch / 256  # as main_pretrain.py scales --lr
 dataset = sce_data.build_dataset("imagefolder", data, "pretrain", read="tensor")
 sampler = sce_data.ResumableSampler(len(dataset), global_batch, rank, world, seed=0)
 specs = [sce_data.ViewSpec("weak", 16), sce_data.ViewSpec("strong", 16)]
-batches = sce_data.PretrainBatches(dataset, specs, sampler, 0, device, "gpu", dtype=torch.float64)
+batches = sce_data.pretrain_batches(dataset, specs, sampler, device, "gpu", dtype=torch.float64)
 bn_splits = 2 if world == 1 else 1  # as main_pretrain.py's check_world: several ranks shuffle for real
 # a projector without BN: a BN over a chunk's 4 feature vectors has so small a variance that float
 # rounding grows into gradients 10% apart within 3 steps, between any two runs; the trunk's BN remain. In

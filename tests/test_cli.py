@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO
 from sce import cli
-from sce.knn import split_features
+from sce.frozen import Frozen, split_features
 from sce.progress import Progress, format_eta
 
 SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "main_*.py")))
@@ -156,9 +156,10 @@ def test_split_features_cache(tmp_path, capsys):
     trunk = torch.nn.Linear(2, 3)
     ckpt = tmp_path / "trunk.pth"
     torch.save(trunk.state_dict(), ckpt)
+    frozen = Frozen(trunk, 3, {}, "linear", False)
 
     def feats(transform=1.0, **kw):
-        x = split_features(trunk, Split(transform), "train", str(tmp_path), checkpoint=str(ckpt), batch_size=4, **kw)
+        x = split_features(frozen, Split(transform), "train", str(tmp_path), checkpoint=str(ckpt), batch_size=4, **kw)
         return x, capsys.readouterr().out
 
     first, out = feats(arch="a")
@@ -177,8 +178,8 @@ def test_split_features_cache(tmp_path, capsys):
 # what the scripts orchestrate with; a module imports only from its floor or below, the data path only from the
 # primitives, and no module outside sce/data from the data path (the scripts import its face)
 PRIMITIVES = ["__init__", "builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling",
-              "progress", "metrics", "outdir"]
-ORCHESTRATION = ["engine", "epoch", "resume", "knn", "transfer", "cli"]
+              "progress", "metrics", "outdir", "timing", "layouts"]
+ORCHESTRATION = ["engine", "epoch", "resume", "knn", "frozen", "probe", "transfer", "cli"]
 MAX_DEPTH = 6  # the longest chain of project imports, files counted, scripts included
 
 

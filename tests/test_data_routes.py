@@ -22,7 +22,8 @@ from PIL import Image
 from conftest import REPO, assert_mid_epoch_resume_is_exact, load, write_imagefolder
 import main_pretrain
 from sce import UserError, data
-from sce.data import files, jpeg, ops, preloading
+from sce.data import images as files
+from sce.data import jpeg, ops, preloading
 from sce.data.pretrain import WORKER_NICENESS, init_worker
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
@@ -51,8 +52,8 @@ def batches(root, route, seed=3, epoch=2, max_bad=0):
     dataset = data.build_dataset("imagefolder", root, "pretrain", read=data.READ[loader_route])
     sampler = data.ResumableSampler(len(dataset), 8, seed=seed)
     sampler.set_epoch(epoch)
-    return data.PretrainBatches(dataset, SPECS, sampler, seed, CPU, loader_route, try_preload, try_preload,
-                                max_bad=max_bad, budget=data.Budget(CPU))
+    return data.pretrain_batches(dataset, SPECS, sampler, CPU, loader_route, try_preload=try_preload,
+                                 required=try_preload, max_bad=max_bad, budget=data.Budget(CPU))
 
 
 def test_the_routes_draw_the_same_parameters_and_make_the_same_pixels(photos):
@@ -82,7 +83,8 @@ TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-siz
 def test_the_tensor_routes_train_alike(photos, tmp_path, capsys):
     """Same views, same draws of the run's RNG (shuffle-BN), same steps: the gpu and decode routes (one image's
     crop at a time, the same op) end with the same weights, bit for bit; the preload route (a batch's crops as
-    products) takes the same first step, then steps whose views differ by a rounding tie here and there."""
+    products) takes steps whose views differ by a rounding tie here and there (a level of a few pixels), so its
+    losses stay near theirs."""
     states, losses = {}, {}
     for route, flags in (("gpu", ["--augment", "gpu", "--decode", "loader", "--preload", "off"]),
                          ("decode", ["--augment", "gpu", "--decode", "device", "--preload", "off"]),
@@ -93,7 +95,7 @@ def test_the_tensor_routes_train_alike(photos, tmp_path, capsys):
         states[route] = load(tmp_path / route / "checkpoint_last.pth")["model"]
         losses[route] = [float(x) for x in re.findall(r"\] loss (\S+)", capsys.readouterr().out)]
     assert all(torch.equal(states["decode"][k], states["gpu"][k]) for k in states["gpu"])
-    assert losses["preload"][0] == losses["gpu"][0] and losses["preload"][1] == pytest.approx(losses["gpu"][1], rel=0.1)
+    assert losses["preload"] == pytest.approx(losses["gpu"], rel=0.1)
 
 
 @pytest.mark.parametrize("route", ["cpu", "gpu --decode device", "preload"])

@@ -3,6 +3,7 @@ binaries, Tiny-ImageNet's folders and ImageNet100's class list, images of every 
 reader alike), missing and empty data, and a dataset's fingerprint."""
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -13,8 +14,9 @@ from PIL import Image
 
 from conftest import write_cifar, write_imagefolder
 from sce import UserError
-from sce.data import build_dataset, files, fingerprint
-from sce.data.files import load_rgb, load_rgb_tensor
+from sce.data import build_dataset, fingerprint
+from sce.data import images as files
+from sce.data.images import load_rgb, load_rgb_tensor
 
 
 def test_cifar_batches(tmp_path):
@@ -157,3 +159,84 @@ def test_the_fingerprint_tells_datasets_of_one_size_apart(tmp_path):
     write_cifar(tmp_path / "c2", 10, seed=1)  # the same labels, other pixels
     one, two = (build_dataset("cifar10", str(tmp_path / c), "pretrain") for c in ("c1", "c2"))
     assert len(one) == len(two) and one.targets == two.targets and fingerprint(one) != fingerprint(two)
+
+
+def test_a_folder_loop_is_refused_and_other_links_are_read(tmp_path):
+    """torchvision walks an ImageFolder with followlinks=True: a link back up the tree would read its images again
+    and again. Such a loop is one error naming the link; links that do not loop read as torchvision reads them."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+    data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=3, size=8, splits=("train",))
+    train = os.path.join(data, "train")
+    elsewhere = write_imagefolder(tmp_path / "elsewhere", num_classes=2, per_class=2, size=8, splits=("",))
+    os.symlink(os.path.join(elsewhere, "class_0"), os.path.join(train, "class_2"))  # a class folder elsewhere
+    os.symlink(os.path.join(elsewhere, "class_1"), os.path.join(train, "class_0", "more"))  # a sub-folder elsewhere
+    os.symlink(os.path.join(elsewhere, "class_1"), os.path.join(train, "class_1", "again"))  # the same one twice
+    os.symlink(os.path.join(elsewhere, "class_0", "0.png"), os.path.join(train, "class_1", "linked.png"))
+    ds = build_dataset("imagefolder", data, "train")
+    assert len(ds) == 6 + 2 + 2 + 2 + 1
+    assert ds.samples == make_dataset(train, ds.class_to_idx, IMG_EXTENSIONS)  # torchvision's files, in its order
+    loop = os.path.join(train, "class_0", "loop")
+    for target in (".", "..", data, os.path.join(elsewhere, "class_1")):  # the last: through `more`
+        link = os.path.join(elsewhere, "class_1", "up") if target.endswith("class_1") else loop
+        os.symlink(target if link == loop else train, link)
+        named = loop if link == loop else f"{train}/class_0/more/up (the link {link})"  # the link where it lies
+        with pytest.raises(UserError, match=rf"^{re.escape(named)} links back to .* \(a folder loop\): remove the "
+                                            "link") as info:
+            build_dataset("imagefolder", data, "train")
+        assert "\n" not in str(info.value)
+        os.remove(link)
+    os.symlink(".", os.path.join(train, "class_3"))  # a class folder that is --data itself
+    with pytest.raises(UserError, match=r"train/class_3 links back to .*\(a folder loop\)"):
+        build_dataset("imagefolder", data, "train")
+
+
+def test_16_bit_images_scale_by_the_range_of_their_mode_not_their_content(tmp_path):
+    """A stored value is one 8-bit level in every image of its mode: 16-bit ones (65535 -> 255, v -> round(v / 257)),
+    whatever an image's maximum; float ones as PIL converts them (levels 0..255, clipped)."""
+    dim = np.array([[200, 100], [0, 200]], np.uint16)
+    bright = np.array([[200, 60000], [65535, 0]], np.uint16)
+    for name, pixels in (("dim.png", dim), ("bright.png", bright)):
+        Image.fromarray(pixels).save(tmp_path / name)
+        with Image.open(tmp_path / name) as img:
+            assert img.mode in ("I", "I;16"), img.mode  # PIL's 16-bit gray PNG, by version
+        expected = np.floor(pixels / 257 + 0.5).astype(np.uint8)
+        rgb = np.asarray(load_rgb(str(tmp_path / name)))
+        assert np.array_equal(rgb, np.repeat(expected[:, :, None], 3, axis=2)), (name, rgb[:, :, 0])
+        assert torch.equal(load_rgb_tensor(str(tmp_path / name)), TF.pil_to_tensor(load_rgb(str(tmp_path / name))))
+        as_i = files.to_rgb(Image.open(tmp_path / name).convert("I"))  # mode I, as older PIL opens it
+        assert np.array_equal(np.asarray(as_i), rgb), name
+    assert np.asarray(load_rgb(str(tmp_path / "dim.png")))[0, 0, 0] == 1 == np.asarray(
+        load_rgb(str(tmp_path / "bright.png")))[0, 0, 0]
+    assert np.asarray(load_rgb(str(tmp_path / "bright.png")))[1, 0, 0] == 255
+    floats = Image.fromarray(np.array([[0.4, 1.6, 200.0, 300.0, -3.0]], np.float32))
+    assert np.array_equal(np.asarray(files.to_rgb(floats))[:, :, 0], np.asarray(floats.convert("L")))
+
+
+def test_the_data_order_of_a_seed_is_not_the_next_epoch_of_the_seed_before():
+    """Both samplers draw each epoch's order from (seed, epoch) mixed, not seed + epoch: --seed 1's epoch e is not
+    --seed 0's epoch e + 1. The order is the same for the same (seed, epoch); the probe's sampler keeps
+    DistributedSampler's padding, rank slices and drop_last, and both their skipping of a resumed epoch's start."""
+    from sce.data import ResumableSampler, ShuffledShards
+
+    def resumable(seed, epoch, start=0):
+        sampler = ResumableSampler(64, 8, seed=seed)
+        sampler.set_epoch(epoch, start)
+        return [i for _, i in sampler]
+
+    def shards(seed, epoch, start=0, replicas=1, rank=0, drop_last=False):
+        sampler = ShuffledShards(range(64), num_replicas=replicas, rank=rank, shuffle=True, seed=seed,
+                                 drop_last=drop_last)
+        sampler.set_epoch(epoch, start)
+        assert len(sampler) == len(list(sampler))
+        return [i for e, i in sampler if e == epoch]
+
+    for order in (resumable, shards):
+        for e in range(4):
+            assert order(1, e) != order(0, e + 1) and order(2, e) != order(0, e + 2), (order.__name__, e)
+            assert order(0, e) == order(0, e) and sorted(order(0, e)) == list(range(64))
+            assert order(0, e, start=5) == order(0, e)[5 * (8 if order is resumable else 1):]
+        assert order(0, 0) != order(0, 1) and order(0, 0) != list(range(64))
+    full = shards(3, 2)
+    assert [shards(3, 2, replicas=3, rank=r) for r in range(3)] == [(full + full[:2])[r::3] for r in range(3)]
+    assert [shards(3, 2, replicas=3, rank=r, drop_last=True) for r in range(3)] == [full[:63][r::3] for r in range(3)]
+    assert [i for _, i in ShuffledShards(range(10), num_replicas=1, rank=0, shuffle=False)] == list(range(10))

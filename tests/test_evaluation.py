@@ -122,13 +122,13 @@ def test_linear_probe_learns(pretrained, folder, tmp_path, capsys):
 
 
 def test_frozen_check_catches_a_changed_buffer():
-    import main_lincls
-    model, _ = __import__("sce.builder", fromlist=["build_trunk"]).build_trunk("resnet18", True)
+    from sce.probe import check_frozen
+    model, _ = build_trunk("resnet18", True)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
-    main_lincls.check_frozen(model, reference)
+    check_frozen(model, reference)
     model.layer1[0].bn1.running_mean += 1e-3
     with pytest.raises(RuntimeError, match="layer1.0.bn1.running_mean"):
-        main_lincls.check_frozen(model, reference)
+        check_frozen(model, reference)
 
 
 # ---------------------------------------------------------------- kNN
@@ -334,14 +334,14 @@ def test_a_size_far_from_pretraining_warns():
 @pytest.fixture
 def seen_sizes(monkeypatch):
     """The (H, W) of every batch the evaluated trunk receives."""
-    import main_lincls
-    sizes, real = [], main_lincls.load_trunk
+    import sce.frozen
+    sizes, real = [], sce.frozen.load_trunk
 
     def load_trunk(*a, **k):
         trunk, dim, ckpt = real(*a, **k)
         trunk.register_forward_pre_hook(lambda module, inputs: sizes.append(tuple(inputs[0].shape[-2:])))
         return trunk, dim, ckpt
-    monkeypatch.setattr(main_lincls, "load_trunk", load_trunk)
+    monkeypatch.setattr(sce.frozen, "load_trunk", load_trunk)
     return sizes
 
 
@@ -498,7 +498,7 @@ def test_features_and_linear_probe_decoded_on_the_device(tmp_path, capsys):
     """An ImageNet-stem trunk's evaluation with JPEGs decoded in the training process (--decode device): its features
     those of the loader's (cosine > 0.999: torch's resize against PIL's), the cache telling them apart; the linear
     probe and kNN run."""
-    from sce.knn import split_features
+    from sce.frozen import Frozen, split_features
     torch.manual_seed(0)
     trunk, _ = build_trunk("resnet18")
     root = write_imagefolder(tmp_path / "eval", 2, 3, 80)
@@ -512,7 +512,8 @@ def test_features_and_linear_probe_decoded_on_the_device(tmp_path, capsys):
     for route, read in (("decode", "encoded"), ("loader", "pil")):
         split = sce_data.eval_split(sce_data.build_dataset("imagefolder", root, "val", read=read), geometry, CPU,
                                     route)
-        feats[route] = split_features(trunk, split, "x", tmp_path, checkpoint=str(tmp_path / "stem.pth"), batch_size=4)
+        feats[route] = split_features(Frozen(trunk, 512, {}, "resnet18", False), split, "x", tmp_path,
+                                      checkpoint=str(tmp_path / "stem.pth"), batch_size=4)
     assert len(list(tmp_path.glob("features_x_*.pt"))) == 2  # two cache entries: the key says where JPEGs decode
     cosine = F.cosine_similarity(torch.from_numpy(feats["decode"]), torch.from_numpy(feats["loader"]))
     assert cosine.min() > 0.999, cosine

@@ -16,7 +16,6 @@ import torch
 from conftest import REPO, TINY, assert_trained, fake_compile, load, nan_losses, no_triton, pretrain, write_imagefolder
 import main_pretrain
 from sce import UserError, checkpoint
-from sce.builder import MomentumModel
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
@@ -24,13 +23,12 @@ pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, sign
 @pytest.fixture
 def models(monkeypatch):
     """The models main_pretrain builds, to inspect them after a run stops."""
-    built = []
+    built, real = [], main_pretrain.build_model
 
-    class Recorded(MomentumModel):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            built.append(self)
-    monkeypatch.setattr(main_pretrain, "MomentumModel", Recorded)
+    def recorded(*a, **k):
+        built.append(real(*a, **k))
+        return built[-1]
+    monkeypatch.setattr(main_pretrain, "build_model", recorded)
     return built
 
 
@@ -145,7 +143,8 @@ def test_a_failed_compile_of_the_knn_monitor_runs_it_eagerly(small, tmp_path, mo
         return module._call_impl(*args, **kwargs)
     fake_compile(monkeypatch, failing_in_eval)
     knn = write_imagefolder(tmp_path / "knn", num_classes=2, per_class=4, size=20)
-    with pytest.warns(UserWarning, match=r"the kNN monitor's compile failed \(Triton Error: out of resources\)"):
+    with pytest.warns(UserWarning, match=r"torch.compile of the kNN monitor's encoder failed \(Triton Error: out of "
+                                         r"resources\): running it eagerly"):
         pretrain(small, tmp_path / "out", "--epochs", 1, "--compile", "--knn-data", knn, "--knn-k", "3")
     assert "knn_top1" in json.loads(open(tmp_path / "out" / "log.txt").read().splitlines()[-1])
 

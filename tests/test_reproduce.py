@@ -20,6 +20,8 @@ import main_pretrain
 from sce import UserError
 from test_recipes import COMMANDS
 
+PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]  # sce.timing's
+
 SCRIPT = os.path.join(REPO, "benchmarks", "reproduce.sh")
 ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 WRITERS = {"cifar10": lambda root: write_cifar(root, 10, per_batch=4),  # 20 train, 4 test
@@ -169,6 +171,9 @@ def test_smoke_run_stopped_and_continued(tmp_path):
     killed.kill()
     said, _ = killed.communicate()
     assert "=> cifar10: image files in train/ and val/ class folders" in said
+    # its OUT_DIR is free at once, whatever its orphaned stage still does (it held no descriptor of the lock)
+    rerun = reproduce("cifar10", tmp_path / "large", tmp_path / "kill", SMOKE="1", METHODS="sce", DRY_RUN="1")
+    assert rerun.returncode == 0, rerun.stderr
     deadline = time.time() + 30
     while running(tmp_path / "term") or running(tmp_path / "kill"):
         assert time.time() < deadline, "a stage still runs"
@@ -182,8 +187,10 @@ def test_smoke_run_stopped_and_continued(tmp_path):
     assert f"=> stl10: {FOUND['stl10']}" in done.stdout
     assert "=> SMOKE: 40 train / 20 val images of stl10's first 10 classes" in done.stdout
     assert re.search(r"^   Epoch \[1/1\]\[5/5\] loss .*\n   => epoch 1: kNN top-1 ", done.stdout, re.M)  # pretraining
-    assert re.search(r"=> the first epoch ran at \d+ images/s .*\n   sce pretrain: 1 epochs x 40 images: [\d.]+ min\n"
-                     r"   sce linear: 1 epochs x 40 images: [\d.]+ min", done.stdout)
+    # the estimate from the running stage after its first epoch: one pretraining process, no restart
+    assert done.stdout.count("=== sce pretrain") == 1
+    assert re.search(r"^   => estimate after epoch 1: .*\n=> estimated time of each stage on this machine: sce pretrain "
+                     r"[\d.]+ min, sce linear [\d.]+ min; [\d.]+ min in all", done.stdout, re.M)
     assert re.search(r"^   Epoch 1/1: Acc@1 ", done.stdout, re.M)  # the linear probe's epoch
     # the same command again: every stage is done, nothing runs again; a method finished in OUT_DIR by another
     # invocation (here ReSSL, a copy of the SCE run standing for one) is in the table too
@@ -200,3 +207,33 @@ def test_smoke_run_stopped_and_continued(tmp_path):
     table = open(tmp_path / "term" / "results.md").read()
     assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | 89.94 |" \
         in table and "| ReSSL | " in table
+    # each stage's wall time split (sce.timing): the parts add up to its processes' wall time, which is the stage's
+    # as the script measured it from outside (two invocations of the pretraining: the stopped one's split too)
+    measured = {}
+    for line in open(tmp_path / "term" / "times").read().splitlines():
+        name, ms = line.rsplit(" ", 1)
+        measured[name] = measured.get(name, 0) + int(ms) / 1000
+    for stage in ("pretrain", "linear"):
+        split = row["split"][stage]
+        assert sum(split[p] for p in PARTS) == pytest.approx(split["wall"], abs=0.2), (stage, split)
+        assert split["wall"] == pytest.approx(measured[f"sce {stage}"], rel=0.05), (stage, split, measured)
+        assert split["steps"] > 0 and f"| SCE {stage} | {split['wall']:.1f} | " in table
+    assert row["split"]["pretrain"]["knn"] > 0 and row["split"]["linear"]["evaluation"] > 0
+    # an OUT_DIR holds one dataset from one DATA_DIR: another is refused in one line, before anything runs
+    other = reproduce("cifar10", tmp_path / "large", tmp_path / "term", SMOKE="1", METHODS="sce")
+    assert other.returncode == 1 and other.stderr.count("\n") == 1 and "===" not in other.stdout
+    assert f"holds the runs of stl10 {tmp_path / 'stl'}, not of cifar10 {tmp_path / 'large'}" in other.stderr
+
+
+def test_a_stop_between_stages_ends_the_script_before_the_next(tmp_path):
+    """SIGTERM while no stage runs (here during the data check): no stage starts, the script says how to continue
+    and exits 75; the same command then proceeds (DRY_RUN)."""
+    write_imagefolder(tmp_path / "data", num_classes=2, per_class=2)
+    python = tmp_path / "python"  # the interpreter, which signals the script as it checks the data
+    python.write_text(f'#!/bin/bash\n[ "$2" = check ] && kill -TERM $PPID\nexec {sys.executable} "$@"\n')
+    os.chmod(python, 0o755)
+    stopped = reproduce("cifar10", tmp_path / "data", tmp_path / "out", METHODS="sce", PYTHON=str(python))
+    assert stopped.returncode == 75 and "=> interrupted: run the same command again to continue" in stopped.stderr
+    assert "===" not in stopped.stdout and not os.path.exists(tmp_path / "out" / "sce")
+    again = reproduce("cifar10", tmp_path / "data", tmp_path / "out", METHODS="sce", DRY_RUN="1")
+    assert again.returncode == 0 and "=== sce pretrain" in again.stdout

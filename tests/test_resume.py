@@ -252,12 +252,26 @@ def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
     assert not [f for f in os.listdir(out) if ".tmp" in f]
 
 
-def test_disk_full_while_copying_the_numbered_checkpoint_keeps_the_last(tmp_path, monkeypatch):
-    """The numbered copy (checkpoint.copy_atomic) failing on a full disk: one line naming it, checkpoint_last.pth
-    written whole, no numbered file and no temporary file left."""
+def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp_path, monkeypatch):
+    """The numbered checkpoint is checkpoint_last.pth's file under a second name (nothing written twice), and keeps
+    its bytes when the next save replaces checkpoint_last.pth. Where the file system has no hard links it is a copy
+    (checkpoint.copy_atomic); that copy failing on a full disk: one line naming it, checkpoint_last.pth written
+    whole, no numbered file and no temporary file left."""
+    checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)
+    last, numbered = tmp_path / "checkpoint_last.pth", tmp_path / "checkpoint_0010.pth"
+    assert os.path.samefile(last, numbered)
+    checkpoint.save({"epoch": 11}, str(tmp_path))
+    assert checkpoint.load(str(numbered))["epoch"] == 10 and checkpoint.load(str(last))["epoch"] == 11
+    for f in tmp_path.iterdir():
+        f.unlink()
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
     def full_disk(src, dst, *a):
         dst.write(b"PK\x03\x04 partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "link", no_links)
     monkeypatch.setattr(shutil, "copyfileobj", full_disk)
     with pytest.raises(UserError) as err:
         checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)

@@ -12,9 +12,9 @@ import torch
 from conftest import assert_same_state, exit_message, fake_compile, write_imagefolder
 from sce import UserError, losses
 from sce.builder import MomentumModel
-from sce.engine import (Step, Training, check_compile, compile_model, compile_trunk, lr_as_tensors,
+from sce.compiling import Log, compile_module
+from sce.engine import (Step, Training, check_compile, compile_model, lr_as_tensors,
                         resolve_compile, train_step)
-from sce.compiling import Log
 from sce.optim import build_optimizer, set_lr
 
 
@@ -229,7 +229,7 @@ def test_compiled_trunk_keeps_its_keys(monkeypatch):
     import torchvision
     trunk, calls = torchvision.models.resnet18().eval(), []
     keys = list(trunk.state_dict())
-    compile_trunk(trunk)  # compiles lazily: nothing runs here
+    compile_module(trunk, "trunk", Log())  # compiles lazily: nothing runs here
     assert list(trunk.state_dict()) == keys
 
     def counted(module, *args, **kwargs):
@@ -237,7 +237,7 @@ def test_compiled_trunk_keeps_its_keys(monkeypatch):
         return module._call_impl(*args, **kwargs)
     fake_compile(monkeypatch, counted)
     with torch.no_grad():
-        compile_trunk(trunk)(torch.zeros(1, 3, 32, 32))
+        compile_module(trunk, "trunk", Log())(torch.zeros(1, 3, 32, 32))
     assert calls == [trunk]
 
 

@@ -15,7 +15,8 @@ from sklearn.datasets import load_sample_image
 from torchvision.transforms.v2 import functional as TF
 
 from sce.data import ops, views
-from sce.data.pretrain import Compiled, finish_view
+from sce.compiling import Log
+from sce.data.pretrain import Views, finish_view
 
 # the paper's Table 2, written out independently of sce.data.views:
 # p(jitter), (brightness, contrast, saturation, hue), p(gray), p(blur), p(solarize)
@@ -254,7 +255,7 @@ def test_compiled_views_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatc
     rows = views.draw(views.ViewSpec("strong-gamma", 32), 0, 0, np.arange(16), 1, [60] * 16, [70] * 16)
     crops = torch.cat([ops.resized_crops(image[None], r[None], 32) for r in rows])  # one by one, as the workers
     args = (crops, rows, True, *ops.normalization("cpu"), torch.bfloat16, torch.channels_last)
-    eager, compiled = finish_view(*args), Compiled(True)(finish_view, *args)
+    eager, compiled = finish_view(*args), Views([], "cpu", compile=True, compiles=Log()).run(finish_view, *args)
     assert compiled.dtype == torch.bfloat16 and compiled.is_contiguous(memory_format=torch.channels_last)
     assert (compiled.float() - eager.float()).abs().max() <= 0.016  # 1 bf16 step at 2-4, from fp32 rounding
     assert (compiled.float() != eager.float()).float().mean() < 0.01
@@ -264,10 +265,11 @@ def test_compiled_views_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatc
             raise RuntimeError("Cannot find a working triton installation\nmore lines")
         return fail
     monkeypatch.setattr(torch, "compile", broken_compile)
-    runner = Compiled(True)
-    with pytest.warns(UserWarning, match=r"failed \(Cannot find a working triton installation\); running them"):
-        out = runner(finish_view, *args)
+    runner = Views([], "cpu", compile=True, compiles=Log())
+    with pytest.warns(UserWarning, match=r"torch.compile of the views failed \(Cannot find a working triton "
+                                         r"installation\): running it eagerly"):
+        out = runner.run(finish_view, *args)
     assert runner.failed and torch.equal(out, eager)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second try, no second warning
-        assert torch.equal(runner(finish_view, *args), eager)
+        assert torch.equal(runner.run(finish_view, *args), eager)

@@ -10,20 +10,25 @@ Every route's `batches` yields the same batch: (normalised images (N, 3, size, s
 the device. The linear probe's random crops and flips come from sce.data.views.probe_crops, a function of
 (seed, epoch, index): the same on every route, for any --workers, after a resume. Every image of a split is
 read: an unreadable one stops the evaluation with one line naming it."""
+import copy
 import dataclasses
 import os
 
+import numpy as np
 import torch
 import torchvision.transforms as T
 import torchvision.transforms.functional as F
 
 from sce import UserError
 from sce.data import ops
-from sce.data.files import Encoded, UnreadableImage, build_dataset
+from sce.data.assembly import Preloaded, pack, unpack
+from sce.data.files import build_dataset, fingerprint
+from sce.data.images import Encoded, UnreadableImage
 from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
 from sce.data.samplers import Shard
 from sce.data.views import box, probe_crops
+from sce.layouts import check_classes
 from sce.preemption import ignore_stop_signals
 
 FOLDERS = ("imagefolder", "imagenet100", "tiny-imagenet")  # DATA/train and DATA/val
@@ -64,15 +69,7 @@ def num_classes_of(train, val, dataset, root):
     classes = getattr(train, "classes", None)
     n = len(classes) if classes else int(max(train.targets)) + 1
     where = os.path.join(root, "train") if dataset in FOLDERS else root
-    if n < 2:
-        raise UserError(f"{where} holds a single class ({classes[0] if classes else 0}): "
-                        "a classifier needs at least 2 classes (one sub-folder per class)")
-    val_classes = getattr(val, "classes", None)
-    if classes and val_classes and list(val_classes) != list(classes):
-        odd = sorted(set(val_classes) ^ set(classes))
-        raise UserError(f"{os.path.join(root, 'val')} and {where} have different classes "
-                        f"(first difference: {odd[0] if odd else 'order'}): both need the same class folders")
-    return n
+    return check_classes(n, classes, getattr(val, "classes", None), where, os.path.join(root, "val"))
 
 
 def read_splits(dataset, root, read="pil", class_list=None):
@@ -108,8 +105,9 @@ def protocol(size, small_input, train):
 
 class Samples(torch.utils.data.Dataset):
     """What a loader worker makes of key (epoch, index): (image, target), the image cut by `geometry` with PIL and
-    normalised (3, size, size); on the decode route (image or None, a plain JPEG's bytes or nothing, its rows), the
-    JPEG for the device. Every image is read: an unreadable one is an UnreadableImage naming it."""
+    normalised (3, size, size); on the decode route (a plain JPEG's payload for sce.data.assembly.pack: None, its
+    rows, its bytes; or another file's: its uint8 image cut with PIL, its rows, None), target, index. Every image is
+    read: an unreadable one is an UnreadableImage naming it."""
 
     def __init__(self, dataset, geometry, seed=0, decode=False):
         self.dataset, self.geometry, self.seed, self.decode = dataset, geometry, seed, decode
@@ -122,11 +120,11 @@ class Samples(torch.utils.data.Dataset):
         try:
             img, target = self.dataset[index]
             if not self.decode:
-                return self.pil(img, epoch, index), int(target)
+                return F.normalize(F.to_tensor(self.pil(img, epoch, index)), ops.MEAN, ops.STD), int(target)
             if isinstance(img, Encoded):
                 row = self.rows(epoch, [index], *img.size)[0] if self.geometry.random else torch.zeros(5)
-                return (None, img.data, row), int(target)
-            return (self.pil(img, epoch, index), torch.empty(0, dtype=torch.uint8), torch.zeros(5)), int(target)
+                return (None, [row], img.data), int(target), index
+            return ([F.pil_to_tensor(self.pil(img, epoch, index))], [torch.zeros(5)], None), int(target), index
         except UserError:
             raise
         except Exception as e:  # decode errors come as many exception types
@@ -138,37 +136,29 @@ class Samples(torch.utils.data.Dataset):
                            [width])
 
     def pil(self, img, epoch, index):
+        """The PIL image cut by the geometry."""
         g = self.geometry
         if torch.is_tensor(img):
             img = F.to_pil_image(img)
         if g.resize:
             img = F.resize(img, g.resize, MODES[g.mode])
         if g.random is None:
-            img = F.center_crop(img, g.size)
-        else:
-            (top, left, h, w), flip = box(self.rows(epoch, [index], img.height, img.width)[0])
-            img = (F.crop(img, top, left, h, w) if g.random == "padded" else
-                   F.resized_crop(img, top, left, h, w, [g.size, g.size], MODES[g.mode], antialias=True))
-            img = F.hflip(img) if flip else img
-        return F.normalize(F.to_tensor(img), ops.MEAN, ops.STD)
+            return F.center_crop(img, g.size)
+        (top, left, h, w), flip = box(self.rows(epoch, [index], img.height, img.width)[0])
+        img = (F.crop(img, top, left, h, w) if g.random == "padded" else
+               F.resized_crop(img, top, left, h, w, [g.size, g.size], MODES[g.mode], antialias=True))
+        return F.hflip(img) if flip else img
 
 
 def _collate_decode(samples):
-    """A decode route's batch: (the JPEGs' bytes end to end, their lengths, places and rows; the other images'
-    tensors and places; the targets)."""
-    encoded = [i for i, ((image, _, _), _) in enumerate(samples) if image is None]
-    decoded = [i for i, ((image, _, _), _) in enumerate(samples) if image is not None]
-    return (torch.cat([samples[i][0][1] for i in encoded]) if encoded else torch.empty(0, dtype=torch.uint8),
-            [len(samples[i][0][1]) for i in encoded], torch.tensor(encoded, dtype=torch.long),
-            torch.stack([samples[i][0][2] for i in encoded]) if encoded else None,
-            torch.stack([samples[i][0][0] for i in decoded]) if decoded else None,
-            torch.tensor(decoded, dtype=torch.long), torch.tensor([t for _, t in samples]))
+    """A decode route's batch: assembly.pack's tensors, then the targets and the images' indices."""
+    return pack([s[0] for s in samples]) + (torch.tensor([s[1] for s in samples]), [s[2] for s in samples])
 
 
 class EvalSplit:
-    """A split and how it is read: len(), targets, subset(indices), describe(), and batches(batch_size, sampler,
-    epoch): (normalised images, targets) on the device, in the order of `sampler` (keys (epoch, index); default:
-    this rank's Shard). route: preload (images: an Images), decode or loader (dataset)."""
+    """A split and how it is read: len(), targets, subset(indices), describe(), and batches(batch_size, sampler):
+    (normalised images, targets) on the device, in the order of `sampler` (keys (epoch, index); default: this
+    rank's Shard). route: preload (images: an Images), decode or loader (dataset)."""
 
     def __init__(self, route, geometry, device, dataset=None, images=None, workers=0, seed=0, targets=None):
         self.route, self.geometry, self.device, self.workers, self.seed = route, geometry, device, workers, seed
@@ -192,103 +182,137 @@ class EvalSplit:
 
     def batches(self, batch_size, sampler=None):
         """An iterable of this split's batches, again at each pass (an epoch: the sampler's keys give it)."""
-        return _Batches(self, batch_size, sampler if sampler is not None else Shard(len(self)))
-
-    def preloaded_batch(self, keys, scale, shift):
-        """The preload route's batch of keys (epoch, index): the images cut there (rows: the probe's crops)."""
-        index = torch.tensor([i for _, i in keys], dtype=torch.long, device=self.device)
-        x, g = self.images.images[index], self.geometry
-        if g.random:  # the window in the padded image: outside the image is zero
-            height, width = x.shape[-2:]
-            r = probe_crops(g.padding, g.size, self.seed, keys[0][0], [i for _, i in keys], [height] * len(keys),
-                            [width] * len(keys)).to(self.device)
-            x = ops.resized_crops(x, r, g.size)
-        return ops.normalize(x.float() / 255, scale, shift), self.images.targets[index]
-
-    def decode_batch(self, batch, decoder, scale, shift):
-        """A decode route's loader batch -> (normalised images, targets) on the device."""
-        jpegs, lengths, encoded, rows, others, decoded, targets = batch
-        g, n = self.geometry, len(targets)
-        out = torch.empty((n, 3, g.size, g.size), device=self.device)
-        if others is not None:
-            out[decoded.to(self.device)] = others.to(self.device, non_blocking=True)
-        images = decoder(list(jpegs.split(lengths))) if lengths else []
-        bad = [j for j, image in zip(encoded.tolist(), images) if image is None]
-        if bad:  # an evaluation reads every image
-            raise UnreadableImage.of(self.dataset, int(bad[0]), "neither the device's JPEG decoder nor PIL reads it",
-                                     len(bad) - 1)
-        for j, image, row in zip(encoded.tolist(), images, rows if rows is not None else []):
-            if g.random:
-                # the row on the host: the window's bounds are read without a device sync
-                x = ops.resized_crops(image[None], row[None], g.size)[0]
-            else:
-                x = ops.resize_center_crop(image, g.resize, g.size, g.mode)
-            out[j] = ops.normalize(x[None] / 255, scale, shift)[0]
-        return out, targets.to(self.device, non_blocking=True)
+        sampler = sampler if sampler is not None else Shard(len(self))
+        kind = {"preload": PreloadedBatches, "decode": DecodedBatches, "loader": LoaderBatches}[self.route]
+        return kind(self, batch_size, sampler)
 
 
-class _Batches:
-    """An EvalSplit's batches, on the device: of a DataLoader (its workers kept from pass to pass), or of the
-    preloaded images."""
+def sampler_order(sampler, epoch):
+    """The image indices of `sampler`'s keys in `epoch` from its first, without changing the sampler."""
+    sampler = copy.copy(sampler)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return torch.tensor([i for _, i in sampler], dtype=torch.long)
+
+
+class PreloadedBatches:
+    """A preloaded split's batches, cut on the device: each epoch's order and the probe's crops of every image moved
+    there once (sce.data.assembly.Preloaded), no host work nor sync a step."""
 
     def __init__(self, split, batch_size, sampler):
         self.split, self.batch_size, self.sampler = split, batch_size, sampler
-        self.decoder = JpegDecoder(split.device) if split.route == "decode" else None
-        self.loader = None
-        if split.route != "preload":
-            self.loader = torch.utils.data.DataLoader(
-                Samples(split.dataset, split.geometry, split.seed, split.route == "decode"), batch_size=batch_size,
-                sampler=sampler, num_workers=split.workers, pin_memory=split.device.type == "cuda",
-                persistent_workers=split.workers > 0, worker_init_fn=ignore_stop_signals,
-                collate_fn=_collate_decode if split.route == "decode" else None,
-                generator=torch.Generator())  # private: from the global RNG, the training's draws would move
+        self.scale, self.shift = ops.normalization(split.device)
+        self.epochs = Preloaded(split.images.images, batch_size, self.tables, self.cut)
+
+    def tables(self, epoch):
+        """The order of `epoch` and, for the probe's random geometry, every image's crop and flip."""
+        images, g = self.split.images.images, self.split.geometry
+        if not g.random:
+            return sampler_order(self.sampler, epoch), []
+        n, (height, width) = len(images), images.shape[-2:]
+        return sampler_order(self.sampler, epoch), [probe_crops(g.padding, g.size, self.split.seed, epoch,
+                                                                np.arange(n), [height] * n, [width] * n)]
+
+    def cut(self, index, rows):
+        x = self.split.images.images[index]
+        if rows:  # the window in the padded image: outside the image is zero
+            x = ops.resized_crops(x, rows[0], self.split.geometry.size)
+        return ops.normalize(x.float() / 255, self.scale, self.shift), self.split.images.targets[index]
+
+    def __len__(self):
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        self.epochs.set_epoch(getattr(self.sampler, "epoch", 0), getattr(self.sampler, "start", 0))
+        return iter(self.epochs)
+
+
+class LoaderBatches:
+    """A split's batches of a DataLoader (its workers kept from pass to pass), read and cut with PIL."""
+    decode = False
+
+    def __init__(self, split, batch_size, sampler):
+        self.split, self.batch_size, self.sampler = split, batch_size, sampler
+        self.loader = torch.utils.data.DataLoader(
+            Samples(split.dataset, split.geometry, split.seed, self.decode), batch_size=batch_size, sampler=sampler,
+            num_workers=split.workers, pin_memory=split.device.type == "cuda", persistent_workers=split.workers > 0,
+            worker_init_fn=ignore_stop_signals, collate_fn=_collate_decode if self.decode else None,
+            generator=torch.Generator())  # private: from the global RNG, the training's draws would move
 
     def __len__(self):
         return -(-len(self.sampler) // self.batch_size)
 
     def __iter__(self):
         device = self.split.device
-        scale, shift = ops.normalization(device)
-        if self.loader is None:
-            keys = list(self.sampler)
-            for start in range(0, len(keys), self.batch_size):
-                yield self.split.preloaded_batch(keys[start:start + self.batch_size], scale, shift)
-            return
-        for batch in self.loader:
-            if self.decoder:
-                yield self.split.decode_batch(batch, self.decoder, scale, shift)
-            else:
-                images, targets = batch
-                yield images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        for images, targets in self.loader:
+            yield images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+class DecodedBatches(LoaderBatches):
+    """A split's JPEGs decoded, resized and cropped on the device (sce.data.assembly.unpack); files the device does
+    not decode cut by the workers with PIL."""
+    decode = True
+
+    def __init__(self, split, batch_size, sampler):
+        super().__init__(split, batch_size, sampler)
+        self.decoder = JpegDecoder(split.device)
+        self.scale, self.shift = ops.normalization(split.device)
+
+    def __iter__(self):
+        g = self.split.geometry
+        for *packed, targets, index in self.loader:
+            rows = packed[-1][0]
+
+            def cut(image, v, j):  # a random window: its row on the host, read without a device sync
+                return (ops.resized_crops(image[None], rows[j:j + 1], g.size)[0] if g.random else
+                        ops.resize_center_crop(image, g.resize, g.size, g.mode))
+
+            def unreadable(j):  # an evaluation reads every image
+                raise UnreadableImage.of(self.split.dataset, index[j], "neither the device's JPEG decoder nor PIL "
+                                         "reads it")
+            x = unpack(packed, self.decoder, [g.size], cut, unreadable)[0]
+            yield ops.normalize(x / 255, self.scale, self.shift), targets.to(self.split.device, non_blocking=True)
 
 
 def eval_split(dataset, geometry, device, route="loader", workers=0, seed=0):
-    """An EvalSplit of `dataset` (read as the route needs: PIL images for loader, encoded JPEGs for decode)."""
+    """An EvalSplit of `dataset` (read as the route needs: READER[route])."""
     return EvalSplit(route, geometry, device, dataset, workers=workers, seed=seed)
 
 
-def decodes_on_device(decode, small_input):
-    """JPEGs decoded, resized and cropped on the device (--decode device), for an ImageNet-stem trunk: a
-    small-input one is preloaded instead, its protocol's padded random crop is not a device geometry."""
-    return decode == "device" and not small_input
+READER = {"loader": "pil", "decode": "encoded"}  # how each route's datasets read image files
+
+
+def eval_route(decode, small_input):
+    """The route of an evaluation's files, for every evaluation (main_lincls.py's splits and logistic regression,
+    main_lowshot.py): decode, JPEGs decoded, resized and cropped on the device (--decode device), for an
+    ImageNet-stem trunk; else loader. A small-input trunk's splits are preloaded where they can be (eval_splits),
+    else read by the loader: the padded random crop of its protocol is PIL's."""
+    return "decode" if decode == "device" and not small_input else "loader"
 
 
 def eval_splits(dataset, root, size, small_input, device, preload_mode="auto", decode="loader", workers=0,
-                augment_train=False, class_list=None, what="", seed=0, budget=None):
+                augment_train=False, class_list=None, what="", seed=0, budget=None, reuse=None):
     """(train, val, number of classes) as the evaluations read them at `size` px, EvalSplits: preloaded on the
     device (a small-input trunk, --preload; the budget's device), decoded there (an ImageNet-stem trunk, --decode
-    device) or read by the loader. augment_train: the linear probe's random crops and flips on train."""
-    route = "decode" if decodes_on_device(decode, small_input) else "loader"
-    train, val, classes = read_splits(dataset, root, "encoded" if route == "decode" else "pil", class_list)
+    device) or read by the loader. augment_train: the linear probe's random crops and flips on train. reuse:
+    (fingerprint, Images) of a dataset already preloaded whole (pretraining's): the train split takes those images
+    where they are its own, at its size (no second copy)."""
+    route = eval_route(decode, small_input)
+    train, val, classes = read_splits(dataset, root, READER[route], class_list)
     geometries = protocol(size, small_input, augment_train), protocol(size, small_input, False)
     if small_input and budget is not None and wanted(preload_mode, device):
-        preloaded = [preload(ds, budget, preload_mode == "device", workers, max_bad=None, what=f"{what}{split} images",
-                             transform=T.Compose([T.Resize(g.resize)] + ([T.CenterCrop(g.size)] if g.random is None
-                                                                          else [])))
-                     for ds, split, g in ((train, "train", geometries[0]), (val, "val", geometries[1]))]
+        def load(ds, split, g):
+            images = reuse[1] if reuse and split == "train" else None
+            if images is not None and not images.replaced and images.images.shape[-2:] == (size, size) \
+                    and g.resize == size and reuse[0] == fingerprint(ds):  # Resize(size) of a size x size image: itself
+                print(f"=> {what}{split} images: the {len(images)} preloaded for pretraining", flush=True)
+                return images
+            transform = T.Compose([T.Resize(g.resize)] + ([T.CenterCrop(g.size)] if g.random is None else []))
+            return preload(ds, budget, preload_mode == "device", workers, max_bad=None, what=f"{what}{split} images",
+                           transform=transform)
+        preloaded = [load(train, "train", geometries[0]), load(val, "val", geometries[1])]
         if all(p is not None for p in preloaded):
             return (*(EvalSplit("preload", g, device, images=p, seed=seed) for p, g in zip(preloaded, geometries)),
                     classes)
     return (*(EvalSplit(route, g, device, ds, workers=workers, seed=seed) for ds, g in zip((train, val), geometries)),
             classes)
-

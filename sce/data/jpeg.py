@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from sce.data.files import decode_rgb_tensor
+from sce.data.images import decode_rgb_tensor
 
 try:
     from torchvision.io import ImageReadMode, decode_jpeg

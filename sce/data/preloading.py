@@ -12,7 +12,8 @@ import torch
 import torchvision.transforms.functional as TF
 
 from sce import UserError
-from sce.data.files import Encoded, UnreadableImage, decode_rgb_tensor, image_path, skip_unreadable
+from sce.compiling import error_line
+from sce.data.images import Encoded, UnreadableImage, decode_rgb_tensor, image_path, skip_unreadable
 from sce.preemption import ignore_stop_signals
 from sce.progress import Progress
 
@@ -21,10 +22,11 @@ BATCH_TIMEOUT_S = 300  # a decoding worker silent this long has failed (its send
 
 
 class Images:
-    """A whole dataset as one uint8 tensor (N, 3, H, W) on its device, with its labels (N,) if any."""
+    """A whole dataset as one uint8 tensor (N, 3, H, W) on its device, with its labels (N,) if any; `replaced`:
+    how many unreadable images were replaced by readable ones."""
 
-    def __init__(self, images, targets=None):
-        self.images, self.targets = images, targets
+    def __init__(self, images, targets=None, replaced=0):
+        self.images, self.targets, self.replaced = images, targets, replaced
 
     def __len__(self):
         return len(self.images)
@@ -110,7 +112,7 @@ def preload(dataset, budget, required=False, workers=0, max_bad=0, transform=Non
     budget.used += need
     print(f"=> preloaded {len(images)} {what} ({'x'.join(map(str, shape))}, {need / 2 ** 20:.0f} MiB) on {device} "
           f"in {time.time() - start:.1f} s: batches are cut from there", flush=True)
-    return Images(images, targets)
+    return Images(images, targets, len(bad))
 
 
 def _stack_batch(samples, shape):
@@ -138,8 +140,7 @@ def _decode_all(dataset, shape, workers, transform, what):
         try:
             batch = next(batches, None)
         except Exception as e:  # noqa: BLE001: a worker died, timed out or could not send its batch
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"decoding the {what} to preload them failed in a loader worker ({reason}): retry "
+            raise UserError(f"decoding the {what} to preload them failed in a loader worker ({error_line(e)}): retry "
                             f"with fewer --workers (now {workers}), raise the open-file limit (ulimit -n), or use "
                             "--preload off") from None
         if batch is None:

@@ -1,30 +1,33 @@
 """Pretraining batches: each step's views on the training device, by one of four routes chosen once at start
-(`choose_route`, from --augment, --decode and --preload):
+(`choose_route`, from --augment, --decode and --preload), one small class each:
 
-    cpu      loader workers decode (PIL), crop, resize, flip and apply the photometric ops: normalised views
-    gpu      workers decode into a tensor and crop (ops.resized_crops): uint8 crops; the device applies the rest
-    decode   workers read a JPEG's bytes and header only; the device decodes (sce.data.jpeg), crops and the rest
-             (other files, PNG or progressive JPEG, are cropped by the workers as on the gpu route)
-    preload  the images were decoded once onto the device (sce.data.preloading): everything happens there
+    CpuRoute      loader workers decode (PIL), crop, resize, flip and apply the photometric ops: normalised views
+    GpuRoute      workers decode into a tensor and crop (ops.resized_crops): uint8 crops; the device does the rest
+    DecodeRoute   workers read a JPEG's bytes and header only; the device decodes (sce.data.jpeg), crops and the rest
+                  (other files, PNG or progressive JPEG, are cropped by the workers as on the gpu route)
+    PreloadRoute  the images were decoded once onto the device (sce.data.preloading): everything happens there
 
 Every route yields the same batch to the step: the list of views, each (N, 3, size, size) normalised in the
 run's dtype and memory format on the device. Every route draws a view's parameters with sce.data.views.draw
-from (seed, epoch, index, view), so the routes give the same crops, flips and photometric parameters, and
-the tensor routes the same pixels (the PIL resize of --augment cpu differs from the tensor one by a level or
-two). An unreadable image is replaced by the next readable one, named once, and counted against max_bad."""
+from (seed, epoch, index, view), the seed the sampler's, so the routes give the same crops, flips and
+photometric parameters, and the tensor routes the same pixels (the PIL resize of --augment cpu differs from the
+tensor one by a level or two). An unreadable image is replaced by the next readable one, named once, and
+counted against max_bad."""
+import copy
 import functools
 import os
 import time
-import warnings
 
 import torch
 
 from sce import UserError
+from sce.compiling import Fallback, compile_function
 from sce.data import ops
-from sce.data.files import Encoded, decode_rgb_tensor, image_path, skip_unreadable
+from sce.data.assembly import Preloaded, pack, unpack
+from sce.data.images import Encoded, decode_rgb_tensor, image_path, skip_unreadable
 from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
-from sce.data.views import Photometric, draw, pil_view
+from sce.data.views import Photometric, draw, pil_view, view_specs
 from sce.preemption import ignore_stop_signals
 
 READ = {"cpu": "pil", "gpu": "tensor", "decode": "encoded"}  # how each loader route's workers read the files
@@ -37,13 +40,38 @@ def choose_route(augment, decode, preload_mode, device):
     return loader, augment != "cpu" and wanted(preload_mode, device)
 
 
+def from_flags(args, dataset, sampler, device, route, try_preload, dtype=None, budget=None, compiles=None,
+               preview=False):
+    """main_pretrain.py's batches, from its parsed flags (read here, once): the views of view_specs(args), the loader
+    route `route` or the dataset preloaded first (try_preload; --preload device: or stop), --workers (none for a
+    preview), --channels-last, --compile, --max-bad-images (-1: 0.1% of the dataset)."""
+    max_bad = args.max_bad_images if args.max_bad_images >= 0 else max(1, len(dataset) // 1000)
+    return pretrain_batches(dataset, view_specs(args), sampler, device, route, try_preload=try_preload,
+                            required=args.preload == "device", workers=0 if preview else args.workers, dtype=dtype,
+                            channels_last=args.channels_last, compile=args.compile, max_bad=max_bad, budget=budget,
+                            compiles=compiles)
+
+
+def pretrain_batches(dataset, specs, sampler, device, route, *, try_preload=False, required=False, workers=0,
+                     dtype=None, channels_last=False, compile=False, max_bad=0, budget=None, compiles=None):
+    """The batches of the loader route `route` (the dataset read with READ[route]), or of its images decoded onto
+    the device first (try_preload; required: or stop), falling back to the loader where they cannot be."""
+    views = Views(specs, device, dtype, channels_last, compile, compiles)
+    images = preload(dataset, budget, required, workers, max_bad) if try_preload else None
+    if images is not None:
+        return PreloadRoute(dataset, images, sampler, views)
+    samples = Samples(dataset, specs, sampler.seed, route)
+    kind = {"cpu": CpuRoute, "gpu": GpuRoute, "decode": DecodeRoute}[route]
+    return kind(samples, sampler, views, workers, max_bad)
+
+
 # ---------------------------------------------------------------- the workers' side
 
 class Samples(torch.utils.data.Dataset):
-    """What a loader worker makes of key (epoch, index): (index, payload, bad index or -1, reason), the payload
-    by route: cpu, the normalised views; gpu, (per view a uint8 crop, per view its parameter row, None); decode,
-    for a plain JPEG (None, its rows, its bytes), for another file (PNG, progressive JPEG) the gpu route's. An
-    unreadable image is replaced by the next readable one, which gets the views of the index asked for."""
+    """What a loader worker makes of key (epoch, index): (key, payload, bad index or -1, reason), the payload by
+    route: cpu, the normalised views; gpu, (per view a uint8 crop, per view its parameter row, None); decode, for a
+    plain JPEG (None, its rows, its bytes), for another file (PNG, progressive JPEG) the gpu route's. An unreadable
+    image is replaced by the next readable one, which gets the views of the index asked for."""
 
     def __init__(self, dataset, specs, seed, route):
         self.dataset, self.specs, self.seed, self.route = dataset, specs, seed, route
@@ -54,7 +82,12 @@ class Samples(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, index = key
         img, bad, reason = self.read(index)
-        return key, self.payload(img, epoch, index), bad, reason
+        if self.route == "cpu":
+            rows = self.rows(epoch, index, img.height, img.width)
+            return key, [pil_view(img, spec, row) for spec, row in zip(self.specs, rows)], bad, reason
+        if isinstance(img, Encoded):  # decode route, a plain JPEG: the device decodes and crops it
+            return key, (None, self.rows(epoch, index, *img.size), img.data), bad, reason
+        return key, self.crops(img, epoch, index) + (None,), bad, reason
 
     def read(self, index, decode=False):
         """(the first readable image from `index` on, the unreadable index met first or -1, its reason).
@@ -76,21 +109,16 @@ class Samples(torch.utils.data.Dataset):
     def rows(self, epoch, index, height, width):
         return [draw(spec, self.seed, epoch, [index], v, [height], [width])[0] for v, spec in enumerate(self.specs)]
 
-    def payload(self, img, epoch, index):
-        if self.route == "cpu":
-            rows = self.rows(epoch, index, img.height, img.width)
-            return [pil_view(img, spec, row) for spec, row in zip(self.specs, rows)]
-        if isinstance(img, Encoded):  # decode route, a plain JPEG: the device decodes and crops it
-            return None, self.rows(epoch, index, *img.size), img.data
+    def crops(self, img, epoch, index):
+        """(per view the uint8 crop of a uint8 image (3, H, W), per view its row)."""
         rows = self.rows(epoch, index, *img.shape[-2:])
-        return [crop(img, spec.size, row) for spec, row in zip(self.specs, rows)], rows, None
+        return [crop(img, spec.size, row) for spec, row in zip(self.specs, rows)], rows
 
     def decoded(self, epoch, index):
         """The crops of `index` decoded here, whatever the dataset's reader (an image the device's decoder could
         not read), with its unreadable index and reason."""
         img, bad, reason = self.read(index, decode=True)
-        rows = self.rows(epoch, index, *img.shape[-2:])
-        return [crop(img, spec.size, row) for spec, row in zip(self.specs, rows)], bad, reason
+        return self.crops(img, epoch, index)[0], bad, reason
 
 
 def crop(image, size, row):
@@ -99,24 +127,18 @@ def crop(image, size, row):
 
 
 def collate(samples, route):
-    """A loader batch of route `route`: (epoch, indices, bad (N,), reasons, then by route: the views (cpu); per
-    view the crops and rows (gpu); the JPEGs' bytes, lengths and places, per view the other images' crops and
-    places, per view the rows (decode))."""
+    """A loader batch: (epoch, indices, bad (N,), reasons, then the payloads by route: cpu, the views; gpu, per view
+    the crops, per view the rows; decode, assembly.pack's tensors)."""
     head = (samples[0][0][0], torch.tensor([s[0][1] for s in samples]), torch.tensor([s[2] for s in samples]),
             [s[3] for s in samples])
     payloads = [s[1] for s in samples]
     if route == "cpu":
         return head + ([torch.stack(v) for v in zip(*payloads)],)
+    if route == "decode":
+        return head + pack(payloads)
     views = range(len(payloads[0][1]))
-    rows = [torch.stack([p[1][v] for p in payloads]) for v in views]
-    if route == "gpu":
-        return head + ([torch.stack([p[0][v] for p in payloads]) for v in views], rows)
-    encoded = [i for i, p in enumerate(payloads) if p[2] is not None]
-    cropped = [i for i, p in enumerate(payloads) if p[2] is None]
-    jpegs = [payloads[i][2] for i in encoded]
-    crops = [torch.stack([payloads[i][0][v] for i in cropped]) if cropped else None for v in views]
-    return head + (torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8), [len(d) for d in jpegs],
-                   torch.tensor(encoded, dtype=torch.long), crops, torch.tensor(cropped, dtype=torch.long), rows)
+    return head + ([torch.stack([p[0][v] for p in payloads]) for v in views],
+                   [torch.stack([p[1][v] for p in payloads]) for v in views])
 
 
 # ---------------------------------------------------------------- the device's side
@@ -136,74 +158,106 @@ def preloaded_view(images, rows, size, photometric, scale, shift, dtype, memory_
     return finish_view(crops, rows, photometric, scale, shift, dtype, memory_format)
 
 
-class Compiled:
-    """fn(*args), torch.compile'd per function when `enabled` (static shapes: one compile per view size); a
-    failed compile warns once and runs everything eagerly from then on. compiles: a sce.compiling.Log."""
+class Views:
+    """The device's side of the views: finish(crops, rows) and preloaded(images, rows) per view, in the run's
+    dtype and memory format, torch.compile'd when `compile` (static shapes: one compile per view size and row; a
+    failed compile warns once and runs them eagerly, sce.compiling.Fallback). compiles: a sce.compiling.Log."""
 
-    def __init__(self, enabled, compiles=None):
-        self.enabled, self.compiles, self.fns, self.failed = enabled, compiles, {}, None
-
-    def __call__(self, fn, *args):
-        if not self.enabled or self.failed:
-            return fn(*args)
-        if fn not in self.fns:
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-            self.fns[fn] = self.compiles.timed(fn.__name__, compiled) if self.compiles else compiled
+    def __init__(self, specs, device, dtype=None, channels_last=False, compile=False, compiles=None):
+        self.specs, self.device = specs, device
+        self.settings = (*ops.normalization(device), dtype or torch.float32,
+                         torch.channels_last if channels_last else torch.contiguous_format)
+        self.fallback = None
+        if compile:
+            compiled = {fn: compile_function(fn, compiles) for fn in (finish_view, preloaded_view)}
+            self.fallback = Fallback("the views", lambda fn, *a: compiled[fn](*a), lambda fn, *a: fn(*a))
             # one compile per view (size, Table 2 row): multi-crop's 6 views pass dynamo's default limit of 8
             config = torch._dynamo.config
             limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, limit, max(getattr(config, limit), 64))
-        try:
-            return self.fns[fn](*args)
-        except Exception as e:  # noqa: BLE001: whatever stopped the compiled call ...
-            out = fn(*args)  # ... unless eager ops fail too (out of memory, say): then that error is the real one
-            self.failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            warnings.warn(f"torch.compile of the views failed ({self.failed}); running them eagerly, several "
-                          "times slower")
-            return out
+
+    @property
+    def failed(self):
+        return self.fallback.failed if self.fallback else None
+
+    def run(self, fn, *args, eager=False):
+        return fn(*args) if eager or self.fallback is None else self.fallback(fn, *args)
+
+    def finish(self, crops, rows, eager=False):
+        """Per view its crops and rows, on the device or on their way -> the list of normalised views."""
+        return [self.run(finish_view, c.to(self.device, non_blocking=True), r.to(self.device, non_blocking=True),
+                         spec.photometric, *self.settings, eager=eager)
+                for spec, c, r in zip(self.specs, crops, rows)]
+
+    def preloaded(self, images, rows, eager=False):
+        """A batch of preloaded images and per view their rows on the device -> the list of normalised views."""
+        return [self.run(preloaded_view, images, r, spec.size, spec.photometric, *self.settings, eager=eager)
+                for spec, r in zip(self.specs, rows)]
 
 
-class PretrainBatches:
-    """Iterating yields this rank's batches of the sampler's epoch: each a list of views on `device` (module
-    docstring). route: cpu, gpu or decode (the dataset read with READ[route]); try_preload: decode the dataset
-    onto the device first (required: or stop), falling back to the loader route where it cannot be.
-    wait_s adds up the time spent waiting for the loader. specs: the views' sce.data.views.ViewSpec."""
+class PreloadRoute:
+    """Batches cut from the whole dataset, decoded onto the device (`preloaded`, an Images): each epoch's order and
+    every image's parameters moved there once (sce.data.assembly.Preloaded)."""
+    wait_s = 0.0
 
-    def __init__(self, dataset, specs, sampler, seed, device, route, try_preload=False, required=False, workers=0,
-                 dtype=None, channels_last=False, compile=False, max_bad=0, budget=None, compiles=None):
-        self.dataset, self.specs, self.sampler, self.seed, self.device = dataset, specs, sampler, seed, device
-        self.dtype = dtype or torch.float32
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.max_bad, self.bad_seen, self.wait_s = max_bad, {}, 0.0
-        self.compiled = Compiled(compile, compiles)
-        self.scale, self.shift = ops.normalization(device)
-        self.samples = Samples(dataset, specs, seed, route)
-        self.images = preload(dataset, budget, required, workers, max_bad) if try_preload else None
-        self.route = "preload" if self.images is not None else route
-        self.loader = None
-        if self.route != "preload":
-            # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
-            # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
-            self.loader = torch.utils.data.DataLoader(
-                self.samples, batch_size=sampler.batch // sampler.world, sampler=sampler, num_workers=workers,
-                pin_memory=device.type == "cuda", drop_last=True, worker_init_fn=init_worker,
-                persistent_workers=workers > 0, collate_fn=functools.partial(collate, route=route),  # picklable
-                generator=torch.Generator().manual_seed(seed))
-        self.decoder = JpegDecoder(device) if self.route == "decode" else None
+    def __init__(self, dataset, images, sampler, views):
+        self.dataset, self.preloaded, self.sampler, self.views = dataset, images, sampler, views
+        self.images = images.images
+        self.epochs = Preloaded(self.images, sampler.batch // sampler.world, self.tables,
+                                lambda index, rows: views.preloaded(self.images[index], rows))
 
     def describe(self):
-        """Where the images come from and where the views are made, for the run's start line."""
-        if self.route == "preload":
-            return f"preloaded on {self.device} ({self.images.images.nbytes / 2 ** 20:.0f} MiB); views there"
-        where = {"cpu": "views in the loader workers", "gpu": f"crops in the workers, views on {self.device}",
-                 "decode": f"JPEGs decoded, cropped and augmented on {self.device}"}[self.route]
-        return f"loader, {self.loader.num_workers} worker(s); {where}"
+        return f"preloaded on {self.views.device} ({self.images.nbytes / 2 ** 20:.0f} MiB); views there"
+
+    def tables(self, epoch):
+        """The rank's order of `epoch` and every image's rows of each view, on the host."""
+        n, (height, width) = len(self.images), self.images.shape[-2:]
+        everyone, heights, widths = torch.arange(n), torch.full((n,), height), torch.full((n,), width)
+        return epoch_order(self.sampler, epoch), [draw(spec, self.sampler.seed, epoch, everyone, v, heights, widths)
+                                                  for v, spec in enumerate(self.views.specs)]
 
     def __iter__(self):
-        if self.route == "preload":
-            yield from self._preloaded()
-            return
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.route != "decode" else None
+        self.epochs.set_epoch(self.sampler.epoch, self.sampler.start_step * (self.sampler.batch // self.sampler.world))
+        return iter(self.epochs)
+
+    def views_of(self, indices, epoch=0):
+        """The views of images `indices` in `epoch` as this route makes them, eagerly (--preview-views)."""
+        images = self.images[torch.as_tensor(indices, device=self.images.device)]
+        height, width = images.shape[-2:]
+        rows = [draw(spec, self.sampler.seed, epoch, indices, v, [height] * len(indices), [width] * len(indices))
+                .to(self.images.device) for v, spec in enumerate(self.views.specs)]
+        return self.views.preloaded(images, rows, eager=True)
+
+
+def epoch_order(sampler, epoch):
+    """This rank's whole order of `epoch` by `sampler`, without changing the sampler (which is in another epoch)."""
+    sampler = copy.copy(sampler)
+    sampler.set_epoch(epoch)
+    return sampler.indices()
+
+
+class LoaderRoute:
+    """Batches of a DataLoader over Samples, the next batch's copy to the device overlapping this step; wait_s adds
+    up the time spent waiting for the loader. An unreadable image met is named once and counted against max_bad.
+    Subclasses turn a loader batch into views (to_views)."""
+    preloaded = None  # the images on the device (PreloadRoute's)
+
+    def __init__(self, samples, sampler, views, workers=0, max_bad=0):
+        self.samples, self.sampler, self.views, self.device = samples, sampler, views, views.device
+        self.dataset, self.max_bad, self.bad_seen, self.wait_s = samples.dataset, max_bad, {}, 0.0
+        # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
+        # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
+        self.loader = torch.utils.data.DataLoader(
+            samples, batch_size=sampler.batch // sampler.world, sampler=sampler, num_workers=workers,
+            pin_memory=self.device.type == "cuda", drop_last=True, worker_init_fn=init_worker,
+            persistent_workers=workers > 0, collate_fn=functools.partial(collate, route=samples.route),  # picklable
+            generator=torch.Generator().manual_seed(sampler.seed))
+
+    def describe(self):
+        return f"loader, {self.loader.num_workers} worker(s); {self.where}"
+
+    def __iter__(self):
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.prefetch else None
         batches = iter(self.loader)
         ahead = self._fetch(batches, stream)
         while ahead is not None:
@@ -212,9 +266,11 @@ class PretrainBatches:
                 copied = stream.record_event()
                 ahead = self._fetch(batches, stream)  # the next batch's copy overlaps this step
                 torch.cuda.current_stream(self.device).wait_event(copied)
-            yield self.views(batch)
+            yield self.views_from(batch)
             if not stream:
                 ahead = self._fetch(batches, None)
+
+    prefetch = True  # the batch's images copied to the device ahead, on a side stream
 
     def _fetch(self, batches, stream):
         """The next loader batch (None at the end), its images already on their way to the device on `stream`."""
@@ -223,66 +279,21 @@ class PretrainBatches:
         self.wait_s += time.perf_counter() - start
         if batch is None or stream is None:
             return batch
-        epoch, index, bad, reasons, views, *rows = batch
+        epoch, index, bad, reasons, images, *rows = batch
         with torch.cuda.stream(stream):
-            views = [v.to(self.device, non_blocking=True) for v in views]
+            images = [v.to(self.device, non_blocking=True) for v in images]
         current = torch.cuda.current_stream(self.device)
-        for v in views:  # copied on the side stream, used on the current one
+        for v in images:  # copied on the side stream, used on the current one
             v.record_stream(current)
-        return (epoch, index, bad, reasons, views, *rows)
+        return (epoch, index, bad, reasons, images, *rows)
 
-    def views(self, batch, note_bad=True):
-        """A loader batch of this route (collate) -> the list of views on the device; note_bad: name its unreadable
-        images and count them against max_bad (not for a preview)."""
-        epoch, index, bad, reasons, *rest = batch
+    def views_from(self, batch, note_bad=True, eager=False):
+        """A loader batch -> the list of views on the device; note_bad: name its unreadable images and count them
+        against max_bad (not for a preview)."""
+        epoch, index, bad, reasons, *payload = batch
         if note_bad:
             self.note_bad(bad, reasons)
-        if self.route == "cpu":
-            return [v.to(self.device, non_blocking=True).to(self.dtype, memory_format=self.memory_format)
-                    for v in rest[0]]
-        if self.route == "gpu":
-            crops, rows = rest
-        else:
-            crops, rows = self._decode(epoch, index, *rest, note_bad)
-        settings = (self.scale, self.shift, self.dtype, self.memory_format)
-        return [self.compiled(finish_view, c.to(self.device, non_blocking=True), r.to(self.device, non_blocking=True),
-                              spec.photometric, *settings) for spec, c, r in zip(self.specs, crops, rows)]
-
-    def _decode(self, epoch, index, jpegs, lengths, encoded, crops, cropped, rows, note_bad=True):
-        """The decode route's crops on the device: the JPEGs decoded and cropped there, the other images' crops
-        placed beside them; an image no decoder reads is read again the workers' way, named and replaced."""
-        images = self.decoder(list(jpegs.split(lengths))) if lengths else []
-        out = [torch.empty((len(index), 3, spec.size, spec.size), device=self.device) for spec in self.specs]
-        cropped = cropped.to(self.device, non_blocking=True)  # once, not once a view
-        for v in range(len(self.specs)):
-            if crops[v] is not None:
-                out[v][cropped] = crops[v].to(self.device, non_blocking=True).float()
-        for j, image in zip(encoded.tolist(), images):
-            if image is None:  # read the workers' way, here
-                views, bad, reason = self.samples.decoded(epoch, int(index[j]))
-                if note_bad:
-                    self.note_bad(torch.tensor([bad]), [reason])
-                for v in range(len(self.specs)):
-                    out[v][j] = views[v].to(self.device).float()
-                continue
-            for v, spec in enumerate(self.specs):  # the rows stay on the host: no sync for a window's bounds
-                out[v][j] = ops.resized_crops(image[None], rows[v][j:j + 1], spec.size)[0]
-        return out, rows
-
-    def _preloaded(self):
-        images = self.images.images
-        order = self.sampler.indices()
-        height, width = images.shape[-2:]
-        everyone = torch.arange(len(images))
-        # every image's parameters of the epoch, drawn on the host, moved once; a step indexes them
-        tables = [draw(spec, self.seed, self.sampler.epoch, everyone, v, torch.full((len(images),), height),
-                       torch.full((len(images),), width)).to(self.device) for v, spec in enumerate(self.specs)]
-        settings = (self.scale, self.shift, self.dtype, self.memory_format)
-        per_rank = self.sampler.batch // self.sampler.world
-        for index in order.to(self.device).view(-1, per_rank):
-            batch = images[index]
-            yield [self.compiled(preloaded_view, batch, table[index], spec.size, spec.photometric, *settings)
-                   for spec, table in zip(self.specs, tables)]
+        return self.to_views(epoch, index, payload, note_bad, eager)
 
     def note_bad(self, bad, reasons):
         """Name each unreadable image once (it was replaced by a readable one); stop past max_bad."""
@@ -294,18 +305,54 @@ class PretrainBatches:
 
     def views_of(self, indices, epoch=0):
         """The views of images `indices` in `epoch` as this route makes them, eagerly (--preview-views)."""
-        if self.route == "preload":
-            images = self.images.images[torch.as_tensor(indices, device=self.device)]
-            height, width = images.shape[-2:]
-            settings = (self.scale, self.shift, self.dtype, self.memory_format)
-            return [preloaded_view(images, draw(spec, self.seed, epoch, indices, v, [height] * len(indices),
-                                                [width] * len(indices)).to(self.device), spec.size,
-                                   spec.photometric, *settings) for v, spec in enumerate(self.specs)]
-        compiled, self.compiled = self.compiled, Compiled(False)
-        try:
-            return self.views(collate([self.samples[(epoch, i)] for i in indices], self.samples.route), note_bad=False)
-        finally:
-            self.compiled = compiled
+        return self.views_from(collate([self.samples[(epoch, i)] for i in indices], self.samples.route),
+                               note_bad=False, eager=True)
+
+
+class CpuRoute(LoaderRoute):
+    where = "views in the loader workers"
+
+    def to_views(self, epoch, index, payload, note_bad, eager):
+        return [v.to(self.device, non_blocking=True).to(self.views.settings[2], memory_format=self.views.settings[3])
+                for v in payload[0]]
+
+
+class GpuRoute(LoaderRoute):
+    @property
+    def where(self):
+        return f"crops in the workers, views on {self.device}"
+
+    def to_views(self, epoch, index, payload, note_bad, eager):
+        crops, rows = payload
+        return self.views.finish(crops, rows, eager)
+
+
+class DecodeRoute(LoaderRoute):
+    """The JPEGs decoded and cropped on the device (sce.data.assembly.unpack); an image no decoder reads is read
+    again the workers' way, named and replaced."""
+    prefetch = False  # what crosses is bytes, decoded on the device's decoder stream
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decoder = JpegDecoder(self.device)
+
+    @property
+    def where(self):
+        return f"JPEGs decoded, cropped and augmented on {self.device}"
+
+    def to_views(self, epoch, index, payload, note_bad, eager):
+        rows = payload[-1]
+        sizes = [spec.size for spec in self.views.specs]
+
+        def cut(image, v, j):  # the rows stay on the host: no sync for a window's bounds
+            return ops.resized_crops(image[None], rows[v][j:j + 1], sizes[v])[0]
+
+        def unreadable(j):  # read the workers' way, here
+            crops, bad, reason = self.samples.decoded(epoch, int(index[j]))
+            if note_bad:
+                self.note_bad(torch.tensor([bad]), [reason])
+            return crops
+        return self.views.finish(unpack(payload, self.decoder, sizes, cut, unreadable), rows, eager)
 
 
 WORKER_NICENESS = 5

@@ -1,17 +1,31 @@
 """Which images each rank reads, and in which order: pretraining's resumable sampler, the linear probe's shuffled
 shards, and the evaluations' shards (every image on exactly one rank)."""
 import itertools
+import math
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from sce import distributed as du
 
 
+def order_seed(seed, epoch):
+    """The seed of epoch `epoch`'s data order in a run seeded `seed`: a 64-bit hash of the pair (numpy's
+    SeedSequence), not seed + epoch, with which --seed 1 would read --seed 0's orders one epoch early."""
+    return int(np.random.SeedSequence([seed % 2 ** 64, epoch % 2 ** 64]).generate_state(1, np.uint64)[0])
+
+
+def order_generator(seed, epoch):
+    """A torch.Generator seeded with order_seed(seed, epoch)."""
+    return torch.Generator().manual_seed(order_seed(seed, epoch))
+
+
 class ResumableSampler(Sampler):
     """Yields (epoch, index) for this rank. Each epoch is a seeded permutation cut into global batches of
     `global_batch`; rank r takes the r-th slice of each, so N ranks see exactly the global batches one process
-    would. set_epoch(epoch, start_step) skips the steps already done."""
+    would. set_epoch(epoch, start_step) skips the steps already done. The permutation is seeded with
+    order_seed(seed, epoch)."""
 
     def __init__(self, num_samples, global_batch, rank=0, world_size=1, seed=0):
         self.n, self.batch, self.rank, self.world, self.seed = num_samples, global_batch, rank, world_size, seed
@@ -26,8 +40,7 @@ class ResumableSampler(Sampler):
 
     def indices(self):
         """This rank's image indices of the rest of the epoch, in order (a tensor)."""
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        perm = torch.randperm(self.n, generator=g)[:self.steps * self.batch]
+        perm = torch.randperm(self.n, generator=order_generator(self.seed, self.epoch))[:self.steps * self.batch]
         return perm.view(self.steps, self.world, -1)[self.start_step:, self.rank].flatten()
 
     def __iter__(self):
@@ -36,14 +49,33 @@ class ResumableSampler(Sampler):
 
 class ShuffledShards(DistributedSampler):
     """The linear probe's sampler: a DistributedSampler (seeded per epoch, also on one process, so that a resumed
-    run sees the same order) yielding (epoch, index), whose epoch may begin after its first `start` indices."""
+    run sees the same order) yielding (epoch, index), whose epoch may begin after its first `start` indices. Its
+    shuffle is seeded with order_seed(seed, epoch), not DistributedSampler's seed + epoch; its padding, drop_last
+    and rank slices are DistributedSampler's."""
 
     def set_epoch(self, epoch, start=0):
         super().set_epoch(epoch)
         self.start = start
 
+    def shard(self):
+        """This rank's indices of the epoch: DistributedSampler.__iter__'s, shuffled by order_generator."""
+        if self.shuffle:
+            indices = torch.randperm(len(self.dataset), generator=order_generator(self.seed, self.epoch)).tolist()
+        else:
+            indices = list(range(len(self.dataset)))
+        if not self.drop_last:  # repeat the first indices up to a multiple of the ranks
+            padding = self.total_size - len(indices)
+            indices += indices[:padding] if padding <= len(indices) else (
+                indices * math.ceil(padding / len(indices)))[:padding]
+        else:
+            indices = indices[:self.total_size]
+        assert len(indices) == self.total_size
+        indices = indices[self.rank:self.total_size:self.num_replicas]
+        assert len(indices) == self.num_samples
+        return indices
+
     def __iter__(self):
-        return iter([(self.epoch, i) for i in itertools.islice(super().__iter__(), getattr(self, "start", 0), None)])
+        return iter([(self.epoch, i) for i in itertools.islice(self.shard(), getattr(self, "start", 0), None)])
 
     def __len__(self):
         return self.num_samples - getattr(self, "start", 0)

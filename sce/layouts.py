@@ -1,0 +1,208 @@
+"""Datasets' files, listed and checked whole without decoding an image and without torch (benchmarks/reproduce.sh
+checks its data with them in a second; sce.data.files reads through them): an ImageFolder's class folders and
+image files (a folder loop refused), CIFAR's python batches (each batch's images against its labels), STL-10's
+binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
+import os
+import pickle
+
+from sce import UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
+# an official download given where an ImageFolder is read: its folder (or a file in it) -> its --dataset
+OFFICIAL_LAYOUTS = {"cifar-10-batches-py": "cifar10", "data_batch_1": "cifar10", "cifar-100-python": "cifar100",
+                    "stl10_binary": "stl10", "train_X.bin": "stl10", "tiny-imagenet-200": "tiny-imagenet",
+                    "wnids.txt": "tiny-imagenet"}
+# the official downloads' folder, files (train, test, meta) and name, as torchvision reads them
+OFFICIAL_FILES = {
+    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], ["batches.meta"],
+                "CIFAR10"),
+    "cifar100": ("cifar-100-python", ["train"], ["test"], ["meta"], "CIFAR100"),
+    "stl10": ("stl10_binary", ["train_X.bin", "train_y.bin", "unlabeled_X.bin"], ["test_X.bin", "test_y.bin"], [],
+              "STL10")}
+STL_IMAGE = 3 * 96 * 96
+
+
+# ---------------------------------------------------------------- ImageFolder
+
+def class_folders(directory):
+    """The class folders of `directory`, sorted, hidden ones (.DS_Store's kin) skipped; none is one line naming
+    the layout it holds if that is an official download."""
+    classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        names = os.listdir(directory)
+        official = next((OFFICIAL_LAYOUTS[n] for n in names if n in OFFICIAL_LAYOUTS), None)
+        fix = (f"it holds {official}'s official files: pass --dataset {official}" if official else
+               "expected one sub-folder of images per class (ImageFolder layout)")
+        raise UserError(f"{directory} has no class folders ({len(names)} files or hidden folders): {fix}")
+    return classes
+
+
+def list_images(directory, class_to_idx, is_valid=None):
+    """torchvision's make_dataset: (path, class index) of every image file under each class folder, sorted folders
+    then sorted files, links followed; raising a UserError at a folder loop, which torchvision would read over and
+    over (64 images read as 2,624). A folder loops when its real path is that of a folder on the way in to it, or
+    holds one (a link to DATA or / above it): the walk keeps the real paths of its way alone, one realpath a
+    folder, so a folder of 1.28M files costs no more than its listing."""
+    is_valid = is_valid or (lambda path: path.lower().endswith(IMAGE_EXTENSIONS))
+    top, samples = os.path.realpath(directory), []
+    for name in sorted(class_to_idx):
+        target = os.path.join(directory, name)
+        if not os.path.isdir(target):
+            continue
+        ways = {target: _walk_step(target, (top,), directory)}  # folder -> the real paths on the way in to it
+        walked = []
+        for root, folders, names in os.walk(target, followlinks=True):
+            way = ways.pop(root)
+            for folder in folders:
+                ways[os.path.join(root, folder)] = _walk_step(os.path.join(root, folder), way, directory)
+            walked.append((root, names))
+        for root, names in sorted(walked):
+            samples += [(p, class_to_idx[name]) for p in (os.path.join(root, n) for n in sorted(names)) if is_valid(p)]
+    return samples
+
+
+def _walk_step(folder, way, directory):
+    """The real paths on the way in to `folder` and through it (`way` + its own; way[0]: the top's), or a UserError
+    naming the link if following it loops: its real path is one on the way in, or one above such a folder."""
+    real = os.path.realpath(folder)
+    inside = os.path.join(real, "")
+    if any(seen == real or seen.startswith(inside) for seen in way):
+        link = os.path.join(way[-1], os.path.basename(folder))  # where the link lies, if the way in took another
+        walked = os.path.relpath(folder, directory) == os.path.relpath(link, way[0])
+        raise UserError(f"{folder}{'' if walked else f' (the link {link})'} links back to {real} (a folder loop): "
+                        "remove the link, as ImageFolder would read the images under it again and again")
+    return way + (real,)
+
+
+def image_folder(directory):
+    """(classes, [(path, class index)]) of an ImageFolder, as sce.data.files.Folder lists it; no image at all is
+    one line."""
+    classes = class_folders(directory)
+    samples = list_images(directory, {c: i for i, c in enumerate(classes)})
+    if not samples:
+        raise no_images(directory, classes)
+    return classes, samples
+
+
+def no_images(directory, classes):
+    """The error of an ImageFolder without images, naming the official download it holds if it is one."""
+    official = next((OFFICIAL_LAYOUTS[c] for c in classes if c in OFFICIAL_LAYOUTS), None)
+    return UserError(f"no images found under {directory}: " + (
+        f"it holds {official}'s official files: pass --dataset {official}" if official else
+        "expected one sub-folder of images per class (ImageFolder layout)"))
+
+
+def check_classes(n, classes, val_classes, where, val_where):
+    """An evaluation's `n` classes: two or more, and val's (if named) the same as train's, else one line."""
+    if n < 2:
+        raise UserError(f"{where} holds a single class ({classes[0] if classes else 0}): "
+                        "a classifier needs at least 2 classes (one sub-folder per class)")
+    if classes and val_classes and list(val_classes) != list(classes):
+        odd = sorted(set(val_classes) ^ set(classes))
+        raise UserError(f"{val_where} and {where} have different classes "
+                        f"(first difference: {odd[0] if odd else 'order'}): both need the same class folders")
+    return n
+
+
+# ---------------------------------------------------------------- CIFAR and STL-10
+
+def official_folder(dataset, root):
+    """(the root torchvision reads, the folder of the files) of CIFAR or STL-10 under --data `root` (or `root`
+    itself being that folder), every file present, each CIFAR batch's images as many as its labels, each STL-10
+    binary whole images as many as its labels; else one line naming the first file at fault."""
+    base, train, test, meta, what = OFFICIAL_FILES[dataset]
+    folder = os.path.join(root, base)
+    if not os.path.isdir(folder) and os.path.basename(os.path.normpath(root)) == base:
+        root, folder = os.path.dirname(os.path.normpath(root)), root  # --data pointed at the folder itself
+    names = train + test + meta
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
+                        f"in {base}/ under --data")
+    damaged = short_binary(folder, names) if dataset == "stl10" else damaged_batch(folder, names)
+    if damaged:
+        raise UserError(f"{damaged}: download {what} again")
+    return root, folder
+
+
+def official_sizes(dataset, folder):
+    """{split: images} of checked official files (official_folder): train, val (the test set), and STL-10's
+    unlabeled."""
+    if dataset == "stl10":
+        return {"train": os.path.getsize(os.path.join(folder, "train_y.bin")),
+                "val": os.path.getsize(os.path.join(folder, "test_y.bin")),
+                "unlabeled": os.path.getsize(os.path.join(folder, "unlabeled_X.bin")) // STL_IMAGE}
+    _, train, test, _, _ = OFFICIAL_FILES[dataset]
+    return {"train": sum(len(labels(os.path.join(folder, n))) for n in train),
+            "val": sum(len(labels(os.path.join(folder, n))) for n in test)}
+
+
+def labels(path):
+    with open(path, "rb") as f:
+        entry = pickle.load(f, encoding="latin1")
+    return entry.get("labels", entry.get("fine_labels"))
+
+
+def short_binary(folder, names):
+    """'PATH is ...' for the first STL-10 image file that is not whole 3x96x96 images, as many as its labels,
+    else None (its size alone: no file is read)."""
+    sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in names}
+    for name in [n for n in names if n.endswith("_X.bin")]:
+        path, labels_file = os.path.join(folder, name), name.replace("_X.bin", "_y.bin")
+        images = sizes[name] // STL_IMAGE
+        if sizes[name] % STL_IMAGE:
+            return f"{path} is cut short ({sizes[name]} bytes, not whole 3x96x96 images)"
+        if labels_file in sizes and images != sizes[labels_file]:
+            return f"{path} holds {images} images for the {sizes[labels_file]} labels of {labels_file}"
+    return None
+
+
+def damaged_batch(folder, names):
+    """'PATH ...' for the first CIFAR batch file cut short or damaged, or holding more images than labels or
+    fewer, else None."""
+    for name in [n for n in names if not n.endswith(".bin")]:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+        except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
+            return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
+        found = entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
+        if found is not None and len(entry.get("data", ())) != len(found):
+            return f"{path} holds {len(entry['data'])} images for {len(found)} labels"
+    return None
+
+
+# ---------------------------------------------------------------- Tiny-ImageNet
+
+TINY_REMEDY = "restore it from the download, or remove its line from val_annotations.txt"
+
+
+def tiny_imagenet_val(root, classes):
+    """[(path, class index)] of Tiny-ImageNet's val/ (`root`): images/ and val_annotations.txt (file, wnid, box),
+    every listed image present and of a class of train/ (`classes`), else one line naming it."""
+    index = {c: i for i, c in enumerate(classes)}
+    listing = os.path.join(root, "val_annotations.txt")
+    if not os.path.isfile(listing):
+        raise UserError(f"{listing} not found: Tiny-ImageNet's val/ holds images/ and val_annotations.txt")
+    rows = []
+    with open(listing) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) < 2 and line.strip():
+                raise UserError(f"{listing} line {number} is not 'FILE<tab>WNID<tab>box': {line.strip()[:60]!r}; "
+                                "restore the file from the download")
+            if line.strip():
+                rows.append((number, fields[0], fields[1]))
+    unknown = sorted({wnid for _, _, wnid in rows} - set(index))
+    if unknown:
+        raise UserError(f"{listing} names {len(unknown)} classes that train/ lacks (first: {unknown[0]}): "
+                        "train/ needs one folder per class")
+    images = os.path.join(root, "images")
+    present = set(os.listdir(images)) if os.path.isdir(images) else set()
+    missing = [(number, name) for number, name, _ in rows if name not in present]
+    if missing:
+        number, name = missing[0]
+        raise UserError(f"{os.path.join(images, name)}, listed on line {number} of {listing}, is missing "
+                        f"({len(missing)} listed images are): {TINY_REMEDY}")
+    return [(os.path.join(images, name), index[wnid]) for _, name, wnid in rows]

@@ -1,0 +1,204 @@
+"""The linear probe of main_lincls.py, in the shape of pretraining's loop (sce.epoch): its settings in one object
+(Probe, with the lr of any step for both schedules), one epoch of the head's steps on the frozen trunk's features,
+the validation, and its checkpoint. The trunk runs under no_grad in eval mode (its BN keeps its statistics): only
+the head learns, and a compiled trunk compiles once for the training, its last partial batch and the validation."""
+import argparse
+import dataclasses
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from sce import UserError
+from sce import distributed as du
+from sce.checkpoint import Writer, link_atomic
+from sce.optim import cosine_lr, set_lr
+from sce.preemption import Preemption
+from sce.timing import Split
+
+# flags a resume within an epoch must keep: the epoch's order and crops are those of (seed, epoch, batch)
+MID_EPOCH_MUST_MATCH = {"batch_size": "--batch-size", "seed": "--seed"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The probe's settings, read once from the flags."""
+    epochs: int
+    steps: int  # per epoch
+    per_rank: int  # images a step on each rank
+    lr: float
+    schedule: str  # step or cosine
+    milestones: tuple
+    warmup_epochs: int
+    print_freq: int
+    amp: object  # the autocast dtype, or None
+
+    @classmethod
+    def of(cls, args, num_samples, amp):
+        per_rank = args.batch_size // du.world_size()
+        return cls(args.epochs, math.ceil(num_samples / per_rank), per_rank, args.lr, args.schedule,
+                   tuple(args.milestones), args.warmup_epochs, args.print_freq, amp)
+
+    def lr_at(self, step):
+        """The lr of global step `step`: x0.1 at each milestone epoch (step), or a linear warmup then a cosine decay
+        over every step (cosine)."""
+        if self.schedule == "step":
+            return self.lr * 0.1 ** sum(step // self.steps >= m for m in self.milestones)
+        return cosine_lr(step, self.epochs * self.steps, self.lr, self.warmup_epochs * self.steps)
+
+    def autocast(self, device):
+        return torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None)
+
+
+@dataclasses.dataclass
+class Head:
+    """What the probe trains and with what: the frozen trunk (sce.frozen.Frozen), the linear head, the same wrapped
+    in DDP on several ranks, its optimizer and GradScaler."""
+    trunk: object
+    head: torch.nn.Linear
+    ddp: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+    def logits(self, probe, images, wrapped=True):
+        features = self.trunk(images, probe.per_rank)
+        return (self.ddp if wrapped else self.head)(features).float()
+
+    def state(self):
+        """A torchvision ResNet's state dict: the trunk's, then fc.weight and fc.bias."""
+        return dict(self.trunk.trunk.state_dict(), **{f"fc.{k}": v for k, v in self.head.state_dict().items()})
+
+
+def make_head(feat_dim, num_classes, device):
+    """fc: N(0, 0.01) weights and zero bias, as MoCo's."""
+    head = torch.nn.Linear(feat_dim, num_classes).to(device)
+    torch.nn.init.normal_(head.weight, 0.0, 0.01)
+    torch.nn.init.zeros_(head.bias)
+    return head
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a probe's epoch needs besides its number: the settings, the collaborators."""
+    args: argparse.Namespace
+    probe: Probe
+    model: Head
+    train: object  # the train split's batches (sce.data.EvalSplit.batches), in the sampler's order
+    val: object  # the val split's
+    device: torch.device
+    preemption: Preemption
+    tensorboard: object  # TensorBoard SummaryWriter on rank 0, else None
+    checkpoints: Writer  # rank 0's background checkpoint writer
+    split: Split  # where this invocation's wall time goes
+
+
+def train_one_epoch(run, epoch, start, sums, progress):
+    """The head's steps of epoch `epoch` from step `start`; sums: this rank's (loss sum, images) of the epoch so far,
+    a device tensor added to. Returns the step to resume from if a stop was requested (its state is the caller's to
+    save), else None. A non-finite loss is noted on the device and stops the run at the next progress line."""
+    probe, model, device = run.probe, run.model, run.device
+    first_bad = torch.full((2,), -1.0, device=device)  # (step, loss) of the epoch's first non-finite loss
+    for i, (images, target) in enumerate(run.train, start=start):
+        set_lr(model.optimizer, probe.lr_at(epoch * probe.steps + i))
+        with probe.autocast(device):
+            loss = F.cross_entropy(model.logits(probe, images), target)
+        bad_now = torch.stack([torch.full_like(loss, i), loss.detach()])  # no host sync per step
+        first_bad = torch.where((first_bad[0] < 0) & ~torch.isfinite(loss), bad_now, first_bad)
+        model.optimizer.zero_grad(set_to_none=True)
+        model.scaler.scale(loss).backward()
+        model.scaler.step(model.optimizer)
+        model.scaler.update()
+        sums += torch.stack([loss.detach().double() * len(images), sums.new_tensor(float(len(images)))])
+        progress.update(len(images) * du.world_size())
+        if (i + 1) % probe.print_freq == 0 or i + 1 == probe.steps:
+            check_finite(first_bad, epoch)
+            if du.is_main():
+                print(f"Epoch [{epoch + 1}/{probe.epochs}][{i + 1}/{probe.steps}] loss {loss.item():.4f} "
+                      f"lr {model.optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
+        if run.preemption.stop_within_epoch(i + 1, probe.steps, probe.print_freq):
+            check_finite(first_bad, epoch)
+            return i + 1
+    return None
+
+
+def end_epoch(run, epoch, sums, best):
+    """After epoch `epoch`: its mean loss over every rank, the validation, its line and TensorBoard, then rank 0's
+    checkpoint in the background (model_best.pth a second name of it when the epoch is the best). Returns the best
+    Acc@1 and this epoch's (Acc@1, Acc@5)."""
+    totals = du.all_reduce_sum(sums.clone())
+    train_loss = (totals[0] / totals[1].clamp(min=1)).item()
+    sums.zero_()
+    acc1, acc5, val_loss = run.split.timed("evaluation", validate, run.probe, run.model, run.val, run.device)
+    is_best, best = acc1 > best, max(acc1, best)
+    if not du.is_main():
+        return best, (acc1, acc5)
+    print(f"Epoch {epoch + 1}/{run.probe.epochs}: Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} val loss {val_loss:.4f} "
+          f"(best Acc@1 {best:.2f})", flush=True)
+    if run.tensorboard:
+        for tag, value in [("train/loss", train_loss), ("train/lr", run.model.optimizer.param_groups[0]["lr"]),
+                           ("val/acc1", acc1), ("val/acc5", acc5), ("val/loss", val_loss)]:
+            run.tensorboard.add_scalar(tag, value, epoch + 1)
+        run.tensorboard.flush()
+    output_dir = run.args.output_dir
+    last = os.path.join(output_dir, "checkpoint_last.pth")
+    run.split.timed("epoch_ends", run.checkpoints.save, state(run, epoch + 1, 0, None, best, (acc1, acc5)), output_dir)
+    if is_best:
+        run.checkpoints.then(lambda: link_atomic(last, os.path.join(output_dir, "model_best.pth")))
+    return best, (acc1, acc5)
+
+
+def state(run, epoch, step_in_epoch, epoch_sums, best, acc):
+    """A main_lincls.py checkpoint: kind lincls, a torchvision ResNet's weights (the trunk and fc), where the probe
+    is, its optimizer, its results so far."""
+    args, model = run.args, run.model
+    return {"kind": "lincls", "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_sums": epoch_sums,
+            "args": vars(args), "data": os.path.abspath(args.data), "model": model.state(),
+            "optimizer": model.optimizer.state_dict(), "scaler": model.scaler.state_dict(), "best_acc1": best,
+            "acc1": acc[0], "acc5": acc[1]}
+
+
+def check_finite(first_bad, epoch):
+    """Stops the run at the first non-finite loss, noted on the device as (step, loss)."""
+    step, loss = first_bad.tolist()
+    if step >= 0:
+        raise UserError(f"loss is {loss} at epoch {epoch + 1} step {int(step) + 1}: lower --lr")
+
+
+@torch.no_grad()
+def validate(probe, model, batches, device):
+    """(Acc@1, Acc@5, mean loss) over the val images of every rank."""
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
+    for images, target in batches:
+        with probe.autocast(device):
+            out = model.logits(probe, images, wrapped=False)
+        hit = out.topk(min(5, out.shape[1]), dim=1).indices == target[:, None]
+        totals += torch.stack([F.cross_entropy(out, target, reduction="sum").double(),
+                               hit[:, :1].any(1).sum().double(), hit.any(1).sum().double(),
+                               torch.full((), len(target), dtype=torch.float64, device=device)])  # a fill: no copy
+    totals = du.all_reduce_sum(totals)
+    n = max(totals[3].item(), 1.0)
+    return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
+
+
+def check_resume(path, ckpt, args, data):
+    """A probe continues only its own run: its data, and within an epoch its batch and seed (the epoch's order and
+    crops are a function of them: another would skip or repeat images)."""
+    if ckpt.get("data") and (ckpt["args"]["dataset"], ckpt["data"]) != (args.dataset, os.path.abspath(data)):
+        raise UserError(f"{path} is a probe on other data (--dataset {ckpt['args'].get('dataset')} --data "
+                        f"{ckpt.get('data')}): pass that data to continue it, or another --output-dir")
+    if not ckpt.get("step_in_epoch"):
+        return
+    for key, flag in MID_EPOCH_MUST_MATCH.items():
+        saved = ckpt["args"].get(key, getattr(args, key))
+        if saved != getattr(args, key):
+            raise UserError(f"{path} stopped mid-epoch with {flag} {saved}: resume it with the same value (not "
+                            f"{getattr(args, key)}), or from an epoch-end checkpoint")
+
+
+def check_frozen(trunk, reference):
+    """Stop if any trunk tensor (weights and BN buffers) differs from `reference`."""
+    for k, v in trunk.state_dict().items():
+        if k in reference and not torch.equal(v, reference[k]):
+            raise RuntimeError(f"trunk tensor {k} changed during linear training: the trunk must stay "
+                               "frozen (requires_grad False, eval mode); this is a bug, please report it")
