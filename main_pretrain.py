@@ -28,7 +28,7 @@ from sce.resume import check_ranks_agree, resume
 # `python main_pretrain.py` with no --data: the embedded demo (digits, 16 px, a few minutes on 2 cores).
 # Tuned for 16 px digits: milder crops and the less blurry strong-beta view (Table 2's blur sigmas
 # are meant for 224 px), small batches for more steps.
-DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=20, batch_size=32, queue_size=1024,
+DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_size=32, queue_size=1024,
             lr=0.25, weight_decay=5e-4, warmup_epochs=1, ema_momentum=0.99, ema_schedule="constant",
             proj_hidden_dims=[512], proj_dim=128, proj_last_bn="none", workers=2, min_scale=0.5,
             online_aug="strong-beta",
@@ -152,7 +152,7 @@ def parse_args(argv=None):
         finally:
             parser.set_defaults(**defaults)  # a later parse in this process gets the usual defaults
         args.demo = True
-        args.data = data.digits_imagefolder(os.path.join(os.path.expanduser("~"), ".cache", "sce", "digits"))
+        args.data = data.digits_imagefolder(os.path.join(os.path.expanduser("~"), ".cache", "sce", "digits-placed"))
         args.knn_data = args.knn_data or args.data
     else:
         args.demo = False

@@ -15,6 +15,7 @@
 """
 import json
 import os
+import pickle
 import re
 import shlex
 import subprocess
@@ -23,7 +24,9 @@ import time
 from importlib.metadata import version
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sce import UserError, layouts  # noqa: E402  (no torch: sce.data is imported by SMOKE=1 alone)
+import numpy as np  # noqa: E402
+
+from sce import UserError, layouts  # noqa: E402  (no torch)
 
 # the paper's baselines table (Sec. 4.2), linear top-1: SCE, and the authors' reproductions of ReSSL and MoCo v2
 PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
@@ -113,15 +116,14 @@ def smoke(env_file, folder):
     """The first SMOKE_CLASSES classes' first images of each split, as PNG files of an ImageFolder (the same
     files at every rerun, so that a stopped SMOKE run resumes); env_file then points at it."""
     env = read_env(env_file)
-    from sce.data import read_splits
     if not os.path.isfile(os.path.join(folder, ".complete")):
-        for split, ds in zip(("train", "val"), read_splits(env["FORMAT"], env["ROOT"])[:2]):
+        for split in SMOKE_IMAGES:
             taken = {}
-            for i, target in enumerate(ds.targets):
+            for i, target, image in split_images(env["FORMAT"], env["ROOT"], split):
                 if target < SMOKE_CLASSES and taken.get(target, 0) < SMOKE_IMAGES[split]:
                     taken[target] = taken.get(target, 0) + 1
                     os.makedirs(os.path.join(folder, split, f"class_{target:03d}"), exist_ok=True)
-                    ds[i][0].save(os.path.join(folder, split, f"class_{target:03d}", f"{i:06d}.png"))
+                    image().save(os.path.join(folder, split, f"class_{target:03d}", f"{i:06d}.png"))
         classes = set(os.listdir(os.path.join(folder, "train"))) | set(os.listdir(os.path.join(folder, "val")))
         for split in SMOKE_IMAGES:  # the same class folders in both (an empty one where a split has none)
             for name in classes:
@@ -132,6 +134,36 @@ def smoke(env_file, folder):
           f"classes, as an ImageFolder in {folder}", flush=True)
     write_env(env_file, **dict(env, FORMAT="imagefolder", ROOT=folder, PRETRAIN_IMAGES=count["train"],
                                TRAIN_IMAGES=count["train"], VAL_IMAGES=count["val"]))
+
+
+def split_images(fmt, root, split):
+    """(index, class, a function returning the PIL image) of a checked layout's train or val split, in order, as
+    main_lincls.py reads them; with numpy and PIL (no torch): CIFAR's batches, STL-10's column-major binaries."""
+    from PIL import Image
+    if fmt in ("cifar10", "cifar100"):
+        _, train, test, _, _ = layouts.OFFICIAL_FILES[fmt]
+        folder = layouts.official_folder(fmt, root)[1]
+        i = 0
+        for name in train if split == "train" else test:
+            with open(os.path.join(folder, name), "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+            pixels = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+            for image, target in zip(pixels, entry.get("labels", entry.get("fine_labels"))):
+                yield i, int(target), lambda image=image: Image.fromarray(image)
+                i += 1
+    elif fmt == "stl10":
+        folder, name = layouts.official_folder(fmt, root)[1], "train" if split == "train" else "test"
+        pixels = np.fromfile(os.path.join(folder, f"{name}_X.bin"), dtype=np.uint8).reshape(-1, 3, 96, 96)
+        labels = np.fromfile(os.path.join(folder, f"{name}_y.bin"), dtype=np.uint8).astype(int) - 1
+        for i, (image, target) in enumerate(zip(pixels, labels)):
+            yield i, int(target), lambda image=image: Image.fromarray(image.transpose(2, 1, 0))
+    else:
+        classes, samples = layouts.image_folder(os.path.join(root, "train"))
+        if split == "val":
+            samples = (layouts.tiny_imagenet_val(os.path.join(root, "val"), classes) if fmt == "tiny-imagenet"
+                       else layouts.image_folder(os.path.join(root, "val"))[1])
+        for i, (path, target) in enumerate(samples):
+            yield i, target, lambda path=path: Image.open(path).convert("RGB")
 
 
 def flag(flags, name, default):
@@ -263,8 +295,8 @@ def table(dataset, out, methods):
         rows[m] = dict(linear_top1=linear["acc1"], linear_best_top1=linear["best_acc1"],
                        knn_top1=last.get("knn_top1"),  # the last epoch's, never an earlier one's
                        paper_linear_top1=PAPER[dataset][m], pretrain_s=None, linear_s=None)
-        splits[m] = {stage: stage_split(os.path.join(out, m, *sub)) for stage, sub in (("pretrain", ()),
-                                                                                        ("linear", ("linear",)))}
+        run = os.path.join(out, m)
+        splits[m] = {"pretrain": stage_split(run), "linear": stage_split(os.path.join(run, "linear"))}
     times = {}
     if os.path.isfile(os.path.join(out, "times")):
         for line in open(os.path.join(out, "times")).read().splitlines():

@@ -69,7 +69,7 @@ def split_features(frozen, split, name, output_dir, /, *, checkpoint, batch_size
     device = next(frozen.trunk.parameters()).device
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         feats, _ = extract_features(frozen.trunk, split.batches(batch_size), normalize=False, name=f"{name} features",
-                                    pad=frozen.compiled)
+                                    pad_to=min(batch_size, len(split)) if frozen.compiled else None)
     feats = feats.cpu()
     os.makedirs(output_dir, exist_ok=True)
     save_atomic({"key": key, "features": feats}, path)

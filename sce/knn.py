@@ -29,11 +29,11 @@ def padded(trunk, images, batch_size=None):
 
 
 @torch.no_grad()
-def extract_features(trunk, batches, channels_last=False, normalize=True, name=None, pad=False):
+def extract_features(trunk, batches, channels_last=False, normalize=True, name=None, pad_to=None):
     """Trunk features (l2-normalised unless normalize=False) and labels of a split's batches (of
     sce.data.EvalSplit.batches: images and targets on the device), in their order, with the trunk in eval
-    mode. `name`: print progress on rank 0. pad: the last, partial batch is padded to a whole one (a compiled
-    trunk: no second compile)."""
+    mode. `name`: print progress on rank 0. pad_to: every smaller batch is padded to this many images (a compiled
+    trunk sees one shape: no second compile)."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
@@ -41,7 +41,7 @@ def extract_features(trunk, batches, channels_last=False, normalize=True, name=N
     for images, targets in batches:
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
-        out = padded(trunk, images, batches.batch_size if pad else None).float()
+        out = padded(trunk, images, pad_to).float()
         feats.append(F.normalize(out, dim=1) if normalize else out)
         labels.append(targets)
         progress.update(len(images))
@@ -98,17 +98,18 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
 def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0,
                  pad=False):
     """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
-    measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each. pad: see
-    extract_features."""
+    measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each. pad: every batch of
+    both splits padded to one size (extract_features), for a compiled trunk."""
     if max_train and max_train < len(train_set):
         train_set = train_set.subset(torch.randperm(len(train_set),
                                                     generator=torch.Generator().manual_seed(seed))[:max_train])
     if min(len(train_set), len(val_set)) < du.world_size():  # every rank raises: none waits for an empty shard
         raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
-    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad=pad)
+    pad_to = min(batch_size, max(len(train_set), len(val_set))) if pad else None
+    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad_to=pad_to)
     queries, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size),
-                                                                name="val features", pad=pad))
+                                                                name="val features", pad_to=pad_to))
     return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
 
 

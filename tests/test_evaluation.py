@@ -388,6 +388,20 @@ def test_knn_monitor_reads_tiny_imagenet_and_gives_lincls_number(tmp_path):
     assert (monitor["knn_top1"], monitor["knn_top5"]) == (lincls["acc1"], lincls["acc5"])
 
 
+def test_the_knn_monitor_takes_the_pretraining_images_where_they_are_its_own(tmp_path, capsys):
+    """Pretraining on DATA/train preloaded at the crop size: the monitor's bank is those images on the device (no
+    second preload), and its number main_lincls.py --knn's through the loader."""
+    root = write_imagefolder(tmp_path / "data", 3, 6, 16)
+    main_pretrain.main(["--data", root, "--knn-data", root, "--knn-k", "5", "--preload", "device", "--epochs", "1",
+                        "--output-dir", str(tmp_path / "pre")] + TINY)
+    said = capsys.readouterr().out
+    assert "=> kNN train images: the 18 preloaded for pretraining" in said and "kNN train images (" not in said
+    main_lincls.main(["--data", root, "--pretrained", str(tmp_path / "pre" / "checkpoint_last.pth"), "--knn",
+                      "--knn-k", "5", "--preload", "off", "--workers", "0", "--output-dir", str(tmp_path / "knn")])
+    monitor, lincls = last_log(tmp_path / "pre"), result(tmp_path / "knn")
+    assert (monitor["knn_top1"], monitor["knn_top5"]) == pytest.approx((lincls["acc1"], lincls["acc5"]))
+
+
 def test_knn_max_train_takes_a_seeded_subset_as_the_bank(tmp_path):
     """--knn-max-train N: the monitor's bank is N train images drawn from its seed, the same at every call."""
     from sce.knn import knn_accuracy
@@ -460,6 +474,23 @@ def test_the_probes_batches_are_the_same_on_every_route(folder):
     (lx, ly), (lvx, lvy) = made["off"]
     assert torch.equal(y, ly) and torch.equal(vy, lvy) and len(y) == 24
     assert torch.allclose(x, lx, atol=1e-5) and torch.allclose(vx, lvx, atol=1e-5)
+    # the preload route's batches of a resumed epoch (its order and crops indexed on the device) are each image's
+    # padded crop as the probe draws it, from image 7 of the epoch's order on, whichever epoch was read before
+    train, _, _ = sce_data.eval_splits("imagefolder", folder, 16, True, CPU, "device", augment_train=True, seed=2,
+                                       budget=sce_data.Budget(CPU))
+    sampler = sce_data.ShuffledShards(train, num_replicas=1, rank=0, shuffle=True, seed=2)
+    batches = train.batches(5, sampler)
+    sampler.set_epoch(3)
+    order = [i for _, i in sampler]
+    sampler.set_epoch(2)
+    list(batches)  # epoch 2 read: epoch 3's order and crops were prepared meanwhile
+    sampler.set_epoch(3, 7)
+    got = torch.cat([b[0] for b in batches])
+    images = train.images.images[torch.tensor(order[7:])]
+    ops = sce_data.ops
+    rows = sce_data.views.probe_crops(4, 16, 2, 3, order[7:], [16] * 17, [16] * 17)
+    expected = ops.normalize(ops.resized_crops(images, rows, 16) / 255, *ops.normalization(CPU))
+    assert torch.equal(got, expected)
     jpegs = write_imagefolder(folder + "_jpeg", 2, 3, 40)
     for split in ("train", "val"):
         for root, _, names in os.walk(os.path.join(jpegs, split)):

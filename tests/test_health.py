@@ -16,6 +16,7 @@ import torch
 from conftest import REPO, TINY, assert_trained, fake_compile, load, nan_losses, no_triton, pretrain, write_imagefolder
 import main_pretrain
 from sce import UserError, checkpoint
+from sce.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
@@ -211,3 +212,45 @@ def test_a_crash_with_loader_workers_exits_at_once(small, tmp_path, where, code)
     assert not left, f"processes left running: {left}"
     if where == "checkpoint":
         assert "error: could not write checkpoint" in output and "Traceback" not in output
+
+
+STARTUP = """
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+import main_lincls, main_pretrain
+from sce import cli
+from sce.data import preloading
+script, sys.argv = sys.argv[1], sys.argv[1:]
+real = preloading._decode_all
+
+def slow(*args, **kwargs):  # a long preload
+    print("PRELOADING", flush=True)
+    time.sleep(60)
+    return real(*args, **kwargs)
+preloading._decode_all = slow
+cli.run((main_pretrain if script == "main_pretrain.py" else main_lincls).main)
+"""
+
+
+@pytest.mark.parametrize("script,signum", [("main_pretrain.py", signal.SIGTERM), ("main_lincls.py", signal.SIGUSR1)])
+def test_a_stop_during_start_up_exits_75_with_its_line(pretrained, tmp_path, script, signum):
+    """A stop signal before the training loop (here while preloading) ends the run at once: exit 75, a line saying
+    nothing was saved and how to go on, and nothing half-written in its folder."""
+    data = write_imagefolder(tmp_path / "data", 2, 4, 16)
+    args = ["--data", data, "--output-dir", tmp_path / "out", "--preload", "device", "--workers", "0"] + (
+        TINY + ["--epochs", "1"] if script == "main_pretrain.py" else ["--pretrained", pretrained])
+    proc = subprocess.Popen([sys.executable, "-c", STARTUP, script] + [str(a) for a in args], cwd=REPO,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if line.startswith("PRELOADING"):
+            proc.send_signal(signum)
+            break
+    said.append(proc.communicate(timeout=60)[0])
+    output = "".join(said)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, output[-2000:]
+    assert (f"=> stopped by {signal.Signals(signum).name} during start-up, before any training: nothing to save; run "
+            "the same command again to start (exiting with code 75)") in output and "Traceback" not in output
+    assert set(os.listdir(tmp_path / "out")) <= {".lock", "evaluated.json"}

@@ -70,11 +70,23 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     # 0.2) and bf16 ones are ~10x slower than fp32; the scaler's state is what a resume must carry
     monkeypatch.setitem(main_pretrain.cli.AMP, "fp16", None)
     pretrain(small, tmp_path / "ref", "--epochs", 2, *extra)
+    # the epochs' checkpoints are written in the background: slowed here, epoch 1's is still being written when
+    # the stop comes (at epoch 2's first step); the stop waits for it, then saves its own
+    real, saves = checkpoint.save_atomic, []
+
+    def slow(state, path):
+        logged = open(os.path.join(os.path.dirname(path), "log.txt")).read().count("\n") if os.path.isfile(
+            os.path.join(os.path.dirname(path), "log.txt")) else 0
+        time.sleep(0.5)
+        real(state, path)
+        saves.append((state["epoch"], state["step_in_epoch"], logged))
     with monkeypatch.context() as m:
         m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
+        m.setattr(checkpoint, "save_atomic", slow)
         with pytest.raises(SystemExit) as stop:
             pretrain(small, tmp_path / "run", "--epochs", 2, *extra)
     assert stop.value.code == PREEMPTED_EXIT_CODE
+    assert saves == [(1, 0, 0), (1, 1, 1)]  # epoch 1's line of log.txt once its checkpoint was on disk
     ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (1, 1, 3)
     assert (ckpt["scaler"] is not None) == ("fp16" in extra)

@@ -358,6 +358,25 @@ def test_preloaded_recipe_compiles_each_graph_once_in_the_first_step(tmp_path, m
     assert "=> data: preloaded on cpu (0 MiB); views there; step: eager; amp none\n" in capsys.readouterr().out
 
 
+def test_the_evaluations_compile_their_trunk_once(pretrained, tmp_path, monkeypatch, capsys, in_process):
+    """main_lincls.py --compile: the probe's trunk compiles one graph for its epochs, the last partial batch (padded)
+    and the validation (under no_grad, as the training's features); --knn one graph for the bank and the queries.
+    Their numbers are the eager run's."""
+    import main_lincls
+    data = write_imagefolder(tmp_path / "data", num_classes=3, per_class=4, size=16)  # 12 images: batches 8 + 4
+    common = ["--data", data, "--pretrained", pretrained, "--workers", "0", "--crop-size", "16", "--batch-size", "8"]
+    graphs = count_compiles(monkeypatch)
+    for extra in (["--epochs", "2", "--lr", "1"], ["--knn", "--knn-k", "3"]):
+        before = len(graphs)
+        for compile in ("--compile", "--no-compile"):
+            main_lincls.main(common + extra + [compile, "--output-dir", str(tmp_path / (extra[0] + compile))])
+        assert len(graphs) - before == 1, extra
+        name = "linear" if extra[0] == "--epochs" else "knn"
+        results = [json.load(open(tmp_path / (extra[0] + c) / f"results_{name}.json")) for c in ("--compile",
+                                                                                                 "--no-compile")]
+        assert results[0]["acc1"] == pytest.approx(results[1]["acc1"])
+
+
 def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys):
     """benchmarks/bench_pretrain.py times sce.engine's step (the one main_pretrain.py runs) and prints a JSON row a
     measurement: on CPU, preloaded, the step and end to end beside its two reference models."""

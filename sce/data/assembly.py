@@ -17,10 +17,11 @@ class Preloaded:
     """Iterating yields an epoch's batches cut from `images` (uint8 (N, 3, H, W) on the device): for each
     `per_batch` indices of the order, make(index, tables) with the epoch's parameter tables indexed there.
     prepare(epoch) -> (the epoch's whole order, [a table (N, ...) per view]) on the host; set_epoch(epoch, skip)
-    picks the epoch and the first `skip` indices of its order to leave out (a resumed epoch)."""
+    picks the epoch and the first `skip` indices of its order to leave out (a resumed epoch). ahead: the next
+    epoch's are prepared while this one is iterated (an order or tables that change with the epoch)."""
 
-    def __init__(self, images, per_batch, prepare, make):
-        self.images, self.per_batch, self.prepare, self.make = images, per_batch, prepare, make
+    def __init__(self, images, per_batch, prepare, make, ahead=True):
+        self.images, self.per_batch, self.prepare, self.make, self.ahead = images, per_batch, prepare, make, ahead
         self.epoch, self.skip, self.ready = 0, 0, {}
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epoch-tables")
 
@@ -38,7 +39,7 @@ class Preloaded:
         """The epoch's order and tables on the device; the next epoch's start on the host meanwhile."""
         future = self.ready.pop(epoch, None)
         order, tables = future.result() if future else self._moved(epoch)
-        self.ready = {epoch + 1: self.worker.submit(self._moved, epoch + 1)}
+        self.ready = {epoch + 1: self.worker.submit(self._moved, epoch + 1)} if self.ahead else {}
         return order, tables
 
     def __len__(self):

@@ -202,7 +202,8 @@ class PreloadedBatches:
     def __init__(self, split, batch_size, sampler):
         self.split, self.batch_size, self.sampler = split, batch_size, sampler
         self.scale, self.shift = ops.normalization(split.device)
-        self.epochs = Preloaded(split.images.images, batch_size, self.tables, self.cut)
+        self.epochs = Preloaded(split.images.images, batch_size, self.tables, self.cut,
+                                ahead=split.geometry.random is not None)
 
     def tables(self, epoch):
         """The order of `epoch` and, for the probe's random geometry, every image's crop and flip."""

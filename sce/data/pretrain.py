@@ -27,7 +27,7 @@ from sce.data.assembly import Preloaded, pack, unpack
 from sce.data.images import Encoded, decode_rgb_tensor, image_path, skip_unreadable
 from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
-from sce.data.views import Photometric, draw, pil_view, view_specs
+from sce.data.views import Photometric, draw, draw_views, pil_view, view_specs
 from sce.preemption import ignore_stop_signals
 
 READ = {"cpu": "pil", "gpu": "tensor", "decode": "encoded"}  # how each loader route's workers read the files
@@ -107,7 +107,7 @@ class Samples(torch.utils.data.Dataset):
                         "--data")
 
     def rows(self, epoch, index, height, width):
-        return [draw(spec, self.seed, epoch, [index], v, [height], [width])[0] for v, spec in enumerate(self.specs)]
+        return draw_views(self.specs, self.seed, epoch, index, height, width)
 
     def crops(self, img, epoch, index):
         """(per view the uint8 crop of a uint8 image (3, H, W), per view its row)."""
@@ -123,7 +123,8 @@ class Samples(torch.utils.data.Dataset):
 
 def crop(image, size, row):
     """One view's crop of one uint8 image (3, H, W) with its packed row (ops.resized_crops) -> uint8."""
-    return ops.resized_crops(image[None], row[None], size)[0].to(torch.uint8)
+    out = ops.window_crop(image[None], row, size)  # a random resized crop lies inside its image
+    return (out if out is not None else ops.resized_crops(image[None], row[None], size))[0].to(torch.uint8)
 
 
 def collate(samples, route):

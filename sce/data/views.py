@@ -74,10 +74,11 @@ def _mix(z):
 
 
 def uniforms(seed, epoch, index, view, count=DRAWS):
-    """(len(index), count) float64 uniforms in [0, 1) (numpy): the hash of (seed, epoch, index, view, k), k < count."""
+    """(len(index), count) float64 uniforms in [0, 1) (numpy): the hash of (seed, epoch, index, view, k), k < count;
+    view: one, or one a row of index."""
     key = _mix(np.array([seed], dtype=np.uint64))
-    for part in (epoch, view):
-        key = _mix(key ^ np.array([part], dtype=np.uint64))
+    key = _mix(key ^ np.array([epoch], dtype=np.uint64))
+    key = _mix(key ^ np.asarray(view, dtype=np.uint64).reshape(-1, 1))
     rows = _mix(key ^ np.asarray(index, dtype=np.uint64).reshape(-1, 1))
     bits = _mix(rows ^ np.arange(count, dtype=np.uint64).reshape(1, -1))
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
@@ -85,8 +86,9 @@ def uniforms(seed, epoch, index, view, count=DRAWS):
 
 def random_resized_crops(u, height, width, scale, ratio=RRC_RATIO):
     """(top, left, h, w) float64 arrays, as torchvision's RandomResizedCrop.get_params draws them, from uniforms u
-    (N, 2 RRC_ATTEMPTS + 2) and each image's height and width (N,): RRC_ATTEMPTS (area, log-ratio) pairs, the
-    first that fits wins, else the central crop of the closest allowed ratio; then top and left."""
+    (N, 2 RRC_ATTEMPTS + 2), each image's height and width (N,) and the area share range scale (a pair, of numbers
+    or of (N, 1) arrays): RRC_ATTEMPTS (area, log-ratio) pairs, the first that fits wins, else the central crop of
+    the closest allowed ratio; then top and left."""
     height, width = np.asarray(height, np.float64).reshape(-1, 1), np.asarray(width, np.float64).reshape(-1, 1)
     target = height * width * (scale[0] + (scale[1] - scale[0]) * u[:, 0:2 * RRC_ATTEMPTS:2])
     log_ratio = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[:, 1:2 * RRC_ATTEMPTS:2]
@@ -116,18 +118,37 @@ def draw(spec, seed, epoch, index, view, height, width):
     """The parameters of view `view` (its ViewSpec `spec`) of images `index` (N,) of sizes (height, width),
     packed in rows (N, PACKED) float64: top, left, height, width, flip, then the photometric ones (jitter,
     order (4), factors (4), gray, sigma, solarize). A function of (seed, epoch, index, view) alone."""
-    u = uniforms(seed, epoch, index, view)
-    top, left, h, w = random_resized_crops(u, height, width, spec.scale)
+    return _packed(uniforms(seed, epoch, index, view), height, width, [spec])
+
+
+def draw_views(specs, seed, epoch, index, height, width):
+    """draw of every view of one image (a loader worker's), in one pass: [its row (PACKED,) of each view]."""
+    rows = _packed(uniforms(seed, epoch, [index] * len(specs), range(len(specs))), [height], [width], specs)
+    return list(rows)
+
+
+def _packed(u, height, width, specs):
+    """Packed rows from the uniforms u (R, DRAWS) of images of sizes (height, width), row r drawn for specs[r] (or
+    every row for specs[0]), by the rules of torchvision's transforms (module docstring)."""
+    scale = np.array([spec.scale for spec in specs], dtype=np.float64)
+    top, left, h, w = random_resized_crops(u, height, width, (scale[:, :1], scale[:, 1:]))
+    # per spec: p(jitter), each factor's range (low 4, high 4), p(gray), p(blur), p(solarize)
+    table = np.array([_photometric_row(spec.aug) for spec in specs])
     p = u[:, 2 * RRC_ATTEMPTS + 3:]
-    p_jitter, jitter, p_gray, p_blur, p_solarize = AUGMENTATIONS[spec.aug]
-    ranges = np.array(jitter_ranges(jitter) if jitter else [(1.0, 1.0)] * 3 + [(0.0, 0.0)])
-    factors = ranges[:, 0] + (ranges[:, 1] - ranges[:, 0]) * p[:, 5:9]
-    sigma = np.where(p[:, 9] < p_blur, BLUR_SIGMA[0] + (BLUR_SIGMA[1] - BLUR_SIGMA[0]) * p[:, 11], 0.0)
+    factors = table[:, 1:5] + (table[:, 5:9] - table[:, 1:5]) * p[:, 5:9]
+    sigma = np.where(p[:, 9] < table[:, 10], BLUR_SIGMA[0] + (BLUR_SIGMA[1] - BLUR_SIGMA[0]) * p[:, 11], 0.0)
     flip = u[:, 2 * RRC_ATTEMPTS + 2] < 0.5
-    return torch.from_numpy(np.concatenate([np.stack([top, left, h, w, flip, p[:, 0] < p_jitter], axis=1),
+    return torch.from_numpy(np.concatenate([np.stack([top, left, h, w, flip, p[:, 0] < table[:, 0]], axis=1),
                                             p[:, 1:5].argsort(axis=1, kind="stable"), factors,
-                                            np.stack([p[:, 10] < p_gray, sigma, p[:, 12] < p_solarize], axis=1)],
-                                           axis=1).astype(np.float64))
+                                            np.stack([p[:, 10] < table[:, 9], sigma, p[:, 12] < table[:, 11]],
+                                                     axis=1)], axis=1).astype(np.float64))
+
+
+def _photometric_row(aug):
+    """Table 2's row `aug` as the numbers _packed draws with."""
+    p_jitter, jitter, p_gray, p_blur, p_solarize = AUGMENTATIONS[aug]
+    ranges = np.array(jitter_ranges(jitter) if jitter else [(1.0, 1.0)] * 3 + [(0.0, 0.0)])
+    return [p_jitter, *ranges[:, 0], *ranges[:, 1], p_gray, p_blur, p_solarize]
 
 
 PROBE_SCALE = (0.08, 1.0)  # the linear probe's RandomResizedCrop on large images (torchvision's default)
