@@ -2,7 +2,7 @@
 """Pretrain a ResNet with SCE (or its baselines MoCo v2 and ReSSL).
 
     torchrun --nproc_per_node=8 main_pretrain.py --data /datasets/imagenet/train --lambda 0.5 --tau-m 0.07
-    python main_pretrain.py        # no flags: a few-minute demo on scikit-learn's digits, on CPU
+    python main_pretrain.py        # no flags: a demo on scikit-learn's digits, under 3 minutes on 2 CPU cores
 
 Defaults are the paper's ImageNet recipe against the baselines (Sec. 4.2); RECIPES.md has
 the command of every setting of the paper.
@@ -25,12 +25,12 @@ from sce.optim import build_optimizer
 from sce.preemption import Preemption
 from sce.resume import check_ranks_agree, resume
 
-# `python main_pretrain.py` with no --data: the embedded demo (digits, 16 px, a few minutes on 2 cores).
-# Tuned for 16 px digits: milder crops and the less blurry strong-beta view (Table 2's blur sigmas
-# are meant for 224 px), small batches for more steps.
+# `python main_pretrain.py` with no --data: the embedded demo (digits placed at random in 16 px canvases, under 3
+# minutes on 2 cores). Tuned for them: milder crops and the less blurry strong-beta view (Table 2's blur sigmas
+# are meant for 224 px), small batches for more steps, one loader process (16 px images cost it little).
 DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_size=32, queue_size=1024,
             lr=0.25, weight_decay=5e-4, warmup_epochs=1, ema_momentum=0.99, ema_schedule="constant",
-            proj_hidden_dims=[512], proj_dim=128, proj_last_bn="none", workers=2, min_scale=0.5,
+            proj_hidden_dims=[512], proj_dim=128, proj_last_bn="none", workers=1, min_scale=0.5,
             online_aug="strong-beta",
             output_dir=os.path.join("runs", "demo"), knn_every=0)
 

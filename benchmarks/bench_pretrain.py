@@ -56,6 +56,9 @@ parser.add_argument("--channels-last", action="store_true")
 parser.add_argument("--compile", action="store_true",
                     help="torch.compile the encoders, the heads and the device augmentation (main_pretrain.py's "
                          "default on CUDA)")
+parser.add_argument("--compile-blocks", action="store_true",
+                    help="with --compile: each residual block compiled apart (sce.engine.compile_model's blocks), "
+                         "against main_pretrain.py's whole trunks: the cold compile's first_step_s tells")
 parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
 parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with split BN of --bn-splits chunks")
 parser.add_argument("--bn-splits", type=int, default=8, help="split BN chunks under --shuffle-bn (default: 8)")
@@ -104,7 +107,8 @@ amp_dtype = cli.AMP[args.amp]
 ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
        "torch": torch.__version__}
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
-               channels_last=args.channels_last, compile=args.compile, symmetric=args.symmetric,
+               channels_last=args.channels_last, compile=args.compile and ("blocks" if args.compile_blocks else True),
+               symmetric=args.symmetric,
                bn_splits=args.bn_splits if args.shuffle_bn else 1, cuda_graph=args.cuda_graph)
 MEMORY_FORMAT = torch.channels_last if args.channels_last else torch.contiguous_format
 REFERENCE = {}  # images/s of supervised_reference and ideal_asymmetric
@@ -163,7 +167,7 @@ def build_training():
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer("sgd", model, 0.5 * args.batch_size / 256, 1e-4)
     if args.compile:
-        compile_model(model, COMPILES)
+        compile_model(model, COMPILES, blocks=args.compile_blocks)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     terms = functools.partial(losses.loss_terms, tau=flags.tau, tau_m=flags.tau_m)  # logged every step, as there
     training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
@@ -289,6 +293,10 @@ def bench_train_step(training, step):
     views = synthetic_views()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    step(views, 0.99)  # the first step: with --compile, the cold compile of the forwards and the backward
+    sync()
+    first_step_s = time.perf_counter() - start
     unguarded_s = None
     if not args.cuda_graph:
         training.guard = False
@@ -296,7 +304,7 @@ def bench_train_step(training, step):
         training.guard = True
     step_s = time_steps(step, views)
     check_graph(step)
-    fields = dict(what="train_step", **SETTING, graph_captured=step.graphed,
+    fields = dict(what="train_step", **SETTING, graph_captured=step.graphed, first_step_s=round(first_step_s, 2),
                   step_ms=round(1000 * step_s, 2),
                   images_per_s=round(args.batch_size / step_s, 1), **of_references(args.batch_size / step_s))
     if unguarded_s:
@@ -521,7 +529,8 @@ def table():
             other = f"{100 * r['of_forward']:.1f}% of a no-grad forward" if "of_forward" in r else "no-grad trunk"
             print(f"| {r['what']} | - | {r['images_per_s']} | {other} |")
         elif r["what"] == "train_step":
-            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, loss {r['criterion_ms']} ms "
+            print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, first step {r['first_step_s']} s, "
+                  f"loss {r['criterion_ms']} ms "
                   f"({100 * r['criterion_share']:.1f}%)"
                   f"{', guard ' + format(100 * r['guard_share'], '.2f') + '%' if 'guard_share' in r else ''}"
                   f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''}"

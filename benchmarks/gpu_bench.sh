@@ -9,6 +9,8 @@
 # 2. imagenet: ResNet-50 at 224 px, the defaults (compiled): the loader pipelines cpu / gpu / decode, also with
 #    4 workers, and main_lincls.py's training and feature extraction against a no-grad forward.
 # 3. symmetric: the same step with both global views as targets; 4. imagenet_eager: not compiled.
+# 5. cifar_blocks: cifar_graph with each residual block compiled apart: its cold compile (first_step_s) against
+#    cifar_graph's whole trunks (the warm Inductor cache of cifar_graph does not serve it: other graphs).
 set -u
 LOG=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu_bench}")
 cd "$(dirname "$0")/.."
@@ -32,8 +34,10 @@ check imagenet 240 "$PY" benchmarks/bench_pretrain.py $R50 --steps 30 --compile 
 check symmetric 150 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --compile --symmetric --augment decode
 # shellcheck disable=SC2086
 check imagenet_eager 120 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --augment gpu decode
+# shellcheck disable=SC2086
+check cifar_blocks 200 "$PY" benchmarks/bench_pretrain.py $SMALL --cuda-graph --compile-blocks
 
-for name in cifar_graph cifar_no_graph imagenet symmetric imagenet_eager; do
+for name in cifar_graph cifar_no_graph imagenet symmetric imagenet_eager cifar_blocks; do
     [ -f "$LOG/$name.log" ] && { echo "### $name"; sed -n '/^| measurement/,$p' "$LOG/$name.log"; }
 done
 finish

@@ -255,15 +255,25 @@ def check_compile(device):
         raise UserError(f"--compile on CPU needs a C++ compiler ({os.environ.get('CXX', 'g++')} not found): {fix}")
 
 
-def compile_model(model, compiles):
+def compile_model(model, compiles, blocks=False):
     """torch.compile the encoders and heads in place, each compile timed in `compiles` (a compiling.Log); the
     queue, the all_gather and the loss stay eager. nn.Module.compile keeps the state-dict keys, so compiled and
     eager checkpoints mix. A module without parameters (the default Identity predictor) stays eager: its empty
     graph on the shared compiled wrapper left the heads running uncompiled from the second call, and split BN
-    recompiling. A failed compile is the Step's to undo (its backward's fails outside the modules' calls)."""
+    recompiling. A failed compile is the Step's to undo (its backward's fails outside the modules' calls).
+    blocks: each residual block of the encoders compiled apart instead of the whole trunk (blocks of one shape
+    share their code: a shorter cold compile?), the stem eager; the benchmark's --compile-blocks measures it."""
+    if blocks:  # every block's forward is one function to dynamo: a shape of it, a graph (16 in a ResNet-50 step)
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))
     for name in ("encoder", "projector", "predictor", "momentum_encoder", "momentum_projector"):
         module = getattr(model, name)
-        if any(True for _ in module.parameters()):
+        if blocks and name.endswith("encoder"):
+            for layer in ("layer1", "layer2", "layer3", "layer4"):
+                for i, block in enumerate(getattr(module, layer)):
+                    compile_module(block, f"{name}.{layer}.{i}", compiles, fallback=False)
+        elif any(True for _ in module.parameters()):
             compile_module(module, name, compiles, fallback=False)
 
 

@@ -112,12 +112,12 @@ def train_one_epoch(run, epoch, start, sums, progress):
         sums += torch.stack([loss.detach().double() * len(images), sums.new_tensor(float(len(images)))])
         progress.update(len(images) * du.world_size())
         if (i + 1) % probe.print_freq == 0 or i + 1 == probe.steps:
-            check_finite(first_bad, epoch)
+            stop_if_nonfinite(first_bad, epoch)
             if du.is_main():
                 print(f"Epoch [{epoch + 1}/{probe.epochs}][{i + 1}/{probe.steps}] loss {loss.item():.4f} "
                       f"lr {model.optimizer.param_groups[0]['lr']:.4g} {progress.report()}", flush=True)
         if run.preemption.stop_within_epoch(i + 1, probe.steps, probe.print_freq):
-            check_finite(first_bad, epoch)
+            stop_if_nonfinite(first_bad, epoch)
             return i + 1
     return None
 
@@ -158,7 +158,7 @@ def state(run, epoch, step_in_epoch, epoch_sums, best, acc):
             "acc1": acc[0], "acc5": acc[1]}
 
 
-def check_finite(first_bad, epoch):
+def stop_if_nonfinite(first_bad, epoch):
     """Stops the run at the first non-finite loss, noted on the device as (step, loss)."""
     step, loss = first_bad.tolist()
     if step >= 0:
