@@ -5,6 +5,7 @@ logistic regression (--classifier logreg).
     python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
     torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
 """
+import argparse
 import os
 
 import numpy as np
@@ -20,8 +21,8 @@ from sce.frozen import load_frozen, split_features
 from sce.knn import knn_accuracy
 from sce.optim import build_optimizer, load_optimizer_state
 from sce.preemption import Preemption, stop
-from sce.probe import (Head, Probe, Run, check_frozen, check_resume, end_epoch, make_head, state, train_one_epoch,
-                       validate)
+from sce.probe import (Head, Probe, Run, Step, check_frozen, check_resume, end_epoch, graphs_for, make_head, state,
+                       train_one_epoch, validate)
 from sce.progress import Progress
 
 
@@ -44,6 +45,9 @@ def get_parser():
                          "the linear probe; a finished one reports its result again; --pretrained, if given, must "
                          "hold the probe's trunk", torchrun=True)
     g.add_argument("-p", "--print-freq", type=int, default=10, help="progress line every N steps")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
+                   help="replay the probe's step from a CUDA graph: one launch instead of dozens (default: on for one "
+                        "GPU process without --amp fp16)")
     g.add_argument("--classifier", default="linear", choices=["linear", "knn", "logreg"],
                    help="linear probe (SGD), kNN, or many-shot transfer logistic regression")
     g.add_argument("--knn", action="store_true", help="same as --classifier knn")
@@ -124,9 +128,11 @@ def evaluate(args, source, device):
     args.compile = resolve_compile(args.compile, device)
     args.decode = data.resolve_decode(args.decode, device)
     compiles = Log()
+    timing.mark("imports")  # the interpreter, the imports, the flags, the process group
     frozen = load_frozen(source, args.arch, args.small_input, "online" if args.resume else args.encoder, device,
                          args.compile, compiles)
     args.arch, args.small_input = frozen.arch, frozen.small_input
+    timing.mark("trunk")
     named = frozen.trunk  # the trunk --pretrained names, which a resumed probe must hold
     if args.resume and args.pretrained:
         named = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)[0]
@@ -174,6 +180,7 @@ def linear(args, frozen, source, device, split):
     if args.batch_size % world:
         raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
     train, val, num_classes = splits(args, device, augment_train=True)
+    timing.mark("data")  # listed, and preloaded where it is
     head = make_head(frozen.feat_dim, num_classes, device)
     load_head(head, frozen.ckpt, source, args, num_classes)
     reference = {k: v.detach().clone() for k, v in frozen.trunk.state_dict().items()}
@@ -194,7 +201,8 @@ def linear(args, frozen, source, device, split):
     start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device)
     tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
     run = Run(args, probe, model, train.batches(probe.per_rank, sampler), val.batches(probe.per_rank), device,
-              Preemption(world, args.dist_timeout), tensorboard, Writer(), split)
+              Preemption(world, args.dist_timeout), tensorboard, Writer(), split,
+              Step(probe, model, sums, graphs_for(args, device, world)))
     if start_epoch == args.epochs and acc[0] is None:  # a finished probe of an older version: measured again
         acc = validate(probe, model, run.val, device)[:2]
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
@@ -203,7 +211,7 @@ def linear(args, frozen, source, device, split):
     try:
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch, start_step * probe.per_rank)
-            stopped_at = train_one_epoch(run, epoch, start_step, sums, progress)
+            stopped_at = train_one_epoch(run, epoch, start_step, progress)
             if stopped_at is not None:  # a stop request mid-epoch: save the exact position and leave
                 stopped = state(run, epoch, stopped_at, du.all_reduce_sum(sums.clone()).tolist(), best, acc)
                 stop(run.preemption, tensorboard, f"epoch {epoch} step {stopped_at} to {args.output_dir}",

@@ -264,6 +264,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     torch.manual_seed(args.seed)
     compiles, budget = compiling.Log(), data.Budget(device)  # the run's compiles; its share of device memory
     split = timing.Split(compiles)
+    timing.mark("imports")  # the interpreter, the imports, the flags, the process group
 
     route, try_preload = data.choose_route(args.augment, args.decode, args.preload, device)
     dataset = data.build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
@@ -274,6 +275,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     sampler = data.ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
     batches = data.from_flags(args, dataset, sampler, device, route, try_preload, cli.AMP[args.amp], budget, compiles,
                               preview=bool(args.preview_views))
+    timing.mark("data")  # listed, and preloaded where it is
     preview = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
     if args.preview_views:  # the views of 8 images of epoch 0, as training makes them
         if rank == 0:
@@ -287,6 +289,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset))
     monitor = knn_monitor(args, device, budget, compiles, batches, data_id["data_id"])
     untrained = monitor(model)[0] if args.demo else None
+    timing.mark("model and kNN data")
     base_lr = args.lr * args.batch_size / 256
     optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
@@ -318,6 +321,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     if tensorboard:  # what the augmentations do, once an invocation: 8 images of epoch 0
         grid = data.views_grid(batches.views_of(preview), data.view_labels(args))
         tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
+    timing.mark("resume and TensorBoard")
     terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
     training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=terms)
     step = build_step(training, device, args.cuda_graph, args.compile)

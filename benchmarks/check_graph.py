@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""The CUDA-graph step gives the eager step's numbers (for gpu_check.sh): two copies of RECIPES.md's CIFAR-10
+"""The CUDA-graph steps give the eager steps' numbers (for gpu_check.sh): two copies of RECIPES.md's CIFAR-10
 model (ResNet-18 small-input, split BN of 8, batch 256, queue 4096), the same views and lr, 8 steps each,
 one through train_step, one through sce.engine.build_step's CUDA graph (captured after its eager steps);
 losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
 at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
 Not covered: shuffle-BN's permutation, drawn in the graph from CUDA's generator in another order.
+Then the linear probe's step (sce.probe.Step) the same way: a frozen ResNet-18 trunk and its head, 8 full batches
+and a partial one (eager in both runs), the lr changing at every step; the head, the epoch's sums and the
+non-finite record must agree.
 
     python benchmarks/check_graph.py [--steps 8]
 """
@@ -20,7 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sce import losses  # noqa: E402
 from sce.builder import MomentumModel  # noqa: E402
 from sce.engine import GRAPH_WARMUP, Training, build_step, lr_as_tensors, train_step  # noqa: E402
+from sce.builder import build_trunk  # noqa: E402
+from sce.engine import CudaGraphs  # noqa: E402
+from sce.frozen import Frozen  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
+from sce.probe import Head, Probe, Step, make_head  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--steps", type=int, default=8, help=f"steps of each run, > {GRAPH_WARMUP} (default: 8)")
@@ -63,5 +70,40 @@ print("losses eager:", " ".join(f"{x[0]:.5f}" for x in eager))
 print("losses graph:", " ".join(f"{x[0]:.5f}" for x in graph))
 print(f"largest weight difference {worst:.2e}")
 ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for e, g in zip(eager, graph) for a, b in zip(e, g)) and worst <= 1e-4
-print("ok" if ok else "FAILED: the graph's numbers are not the eager step's")
-sys.exit(0 if ok else 1)
+print("pretraining:", "ok" if ok else "FAILED: the graph's numbers are not the eager step's")
+
+
+def probe_run(graphed):
+    torch.manual_seed(0)
+    trunk = build_trunk("resnet18", small_input=True)[0].to(device).eval().requires_grad_(False)
+    head = make_head(512, 10, device)
+    optimizer = build_optimizer("sgd", head, 30.0, 0.0, exclude_bias_norm=True)
+    lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
+    probe = Probe(1, args.steps + 1, 256, 30.0, "step", (60, 80), 0, 10, None)
+    model = Head(Frozen(trunk, 512, {}, "resnet18", True), head, head, optimizer,
+                 torch.amp.GradScaler("cuda", enabled=False))
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    step = Step(probe, model, sums, CudaGraphs(device) if graphed else None)
+    losses_ = []
+    for i in range(args.steps + 1):  # the last batch partial: eager in both runs
+        g = torch.Generator().manual_seed(100 + i)
+        images = torch.randn(256 if i < args.steps else 80, 3, 32, 32, generator=g).to(device)
+        target = torch.randint(0, 10, (len(images),), generator=g).to(device)
+        set_lr(optimizer, 3.0 / (i + 1))
+        losses_.append(float(step(images, target, i).detach()))
+    if graphed and step.replay is None:
+        sys.exit("error: the probe's step was not captured as a CUDA graph (see the warning above)")
+    return losses_, torch.cat([head.weight.flatten(), head.bias]), sums.clone(), step.first_bad.clone()
+
+
+(e_loss, e_head, e_sums, e_bad), (g_loss, g_head, g_sums, g_bad) = probe_run(False), probe_run(True)
+probe_worst = (e_head - g_head).abs().max().item()
+print("probe losses eager:", " ".join(f"{x:.4f}" for x in e_loss))
+print("probe losses graph:", " ".join(f"{x:.4f}" for x in g_loss))
+print(f"probe: largest head difference {probe_worst:.2e}, sums {e_sums.tolist()} / {g_sums.tolist()}")
+probe_ok = (all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(e_loss, g_loss)) and torch.equal(e_bad, g_bad)
+            and probe_worst <= 1e-4 * max(1.0, e_head.abs().max().item())
+            and torch.allclose(e_sums, g_sums, rtol=1e-6, atol=0))
+print("probe:", "ok" if probe_ok else "FAILED: the probe's graph does not give the eager step's numbers")
+print("ok" if ok and probe_ok else "FAILED")
+sys.exit(0 if ok and probe_ok else 1)

@@ -121,15 +121,15 @@ def link_atomic(source, path):
         copy_atomic(source, path)
 
 
-def snapshot(obj):
-    """A copy of a (nested) state whose tensors are cloned where they are (a GPU's stay there, copied in stream
-    order): the training may go on changing the originals while the copy is written."""
+def snapshot(obj, to=None):
+    """A copy of a (nested) state, so that the training may go on changing the originals while the copy is written:
+    its tensors cloned where they are (CPU), or with `to` a function making each tensor's copy (see Writer.save)."""
     if torch.is_tensor(obj):
-        return obj.detach().clone()
+        return to(obj) if to else obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
+        return {k: snapshot(v, to) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
+        return type(obj)(snapshot(v, to) for v in obj)
     return obj
 
 
@@ -141,7 +141,7 @@ class Writer:
     by the next save(), then() or wait(): at the next epoch's end, a stop, or the run's end, which all wait."""
 
     def __init__(self):
-        self.jobs, self.error = queue.Queue(), None
+        self.jobs, self.error, self.stream = queue.Queue(), None, None  # stream: the copies to the host (a GPU's)
         self.thread = threading.Thread(target=self._work, daemon=True, name="checkpoint-writer")
         self.thread.start()
 
@@ -158,15 +158,25 @@ class Writer:
 
     def save(self, state, output_dir, numbered=False, keep=0):
         self.wait()
-        copy = snapshot(state)
-        ready = None
-        if any(t.is_cuda for t in _tensors(copy)):  # the writer's copy to the host waits for the clones
+        if not any(t.is_cuda for t in _tensors(state)):
+            copy, ready, clones = snapshot(state), None, None
+        else:  # a GPU's tensors: cloned there in stream order, then copied to pinned host memory on a side stream,
+            # so that the writer thread only writes bytes (its own copies to the host would stall the training's
+            # stream and hold the GIL the training's launches need: the next epoch's first steps ran 20% slower)
+            self.stream = self.stream or torch.cuda.Stream()
+            clones = snapshot(state, lambda t: t.detach().clone() if t.is_cuda else t)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                copy = snapshot(clones, lambda t: t.to("cpu", non_blocking=True) if t.is_cuda else t.clone())
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(self.stream)
+
+        held = [clones]  # the GPU clones live until their copies to the host are done
 
         def write():
             if ready is not None:
                 ready.synchronize()
+                held.clear()
             save(copy, output_dir, numbered, keep)
         self.jobs.put(write)
 

@@ -2,7 +2,7 @@
 and eq. 10 terms averaged on the device over the finite steps of each window and of the epoch (a window
 without one reads NaN, never 0), the progress line, TensorBoard, the stops for non-finite steps and stop
 requests; then the epoch's checkpoint (written in the background), its kNN and its line of log.txt (once its
-checkpoint is on disk), the estimate after the first epoch; and the one way out of the loop (finish).
+checkpoint is on disk), the estimate after the first whole epoch; and the one way out of the loop (finish).
 main_pretrain.py builds the Run."""
 import argparse
 import dataclasses
@@ -78,7 +78,8 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
         epoch_sums += torch.tensor(sums[:-1], device=device)
         finite_losses += sums[-1]
     nonfinite = nonfinite.clone()
-    window_start, window_steps, epoch_start, batches = time.time(), 0, time.time(), run.batches
+    window_start, window_steps, batches = time.time(), 0, run.batches
+    steps_before = run.split.report()[0]["steps"]  # the epoch's steps time: its wall less compiles and captures
     for i, views in enumerate(batches, start=start_step):
         step = epoch * run.steps_per_epoch + i
         lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
@@ -109,8 +110,9 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
         if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
             return Epoch(i + 1, None, nonfinite, epoch_sums.tolist() + [finite_losses.item()])
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
+    steps_s = run.split.report()[0]["steps"] - steps_before
     stats = dict(window_means(epoch_sums, steps), lr=lr, momentum=m, **{"lambda": lam},
-                 images_per_s=(steps - start_step) * args.batch_size / max(time.time() - epoch_start, 1e-9))
+                 images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
     # losses, overflowing gradients while it lowers its scale) are left to that flag
     if stats["skipped_steps"] == steps and not (run.training.scaler and finite_losses.item()):
@@ -176,7 +178,7 @@ def end_epoch(run, done, stats):
     """After `done` epochs: rank 0 saves in the background (a snapshot of the state now; the next epoch trains while
     it is written), the kNN monitor runs when due, then the epoch's line of log.txt, written once the checkpoint is
     on disk. The checkpoint holds the line's statistics: a run stopped between the two completes the line when
-    rerun. After the first epoch of an invocation, the estimate."""
+    rerun. Then the estimate, when due (estimate_due)."""
     args, t, split = run.args, run.training, run.split
     if du.is_main():
         split.timed("epoch_ends", lambda: run.checkpoints.save(
@@ -185,8 +187,16 @@ def end_epoch(run, done, stats):
     first = done - 1 == run.first_step // run.steps_per_epoch
     knn = split.timed("knn", run.monitor, t.model) if run.monitor and knn_due(args, done, first) else None
     split.timed("epoch_ends", log_epoch, args, done, stats, knn, run.tensorboard, run.checkpoints)
-    if first and du.is_main():
-        estimate(run, done)
+    if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs) and du.is_main():
+        estimate(run, done, stats)
+
+
+def estimate_due(done, first_step, steps_per_epoch, epochs):
+    """Whether the estimate comes after epoch `done`, in an invocation that began at global step first_step: after
+    its first whole epoch (after a resume within an epoch, the next one: a few steps and a CUDA graph's warm-up
+    would read as an epoch), or after the resumed epoch when it is the run's last (no other comes)."""
+    resumed_epoch, first_whole = first_step // steps_per_epoch, -(-first_step // steps_per_epoch)
+    return done - 1 == first_whole or (done - 1 == resumed_epoch and done == epochs)
 
 
 def knn_due(args, done, first=False):
@@ -214,13 +224,13 @@ def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
     du.barrier()
 
 
-def estimate(run, done):
-    """After the first epoch of this invocation: what it measured, the stage's time at those rates (its remaining
-    epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json (benchmarks/reproduce.sh adds
-    the linear probe at the trunk's forward rate the kNN measured)."""
+def estimate(run, done, stats):
+    """After the first whole epoch of this invocation (`stats` its line): what it measured, the stage's time at those
+    rates (its remaining epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json
+    (benchmarks/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The rest of an
+    epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an epoch."""
     args, (parts, wall) = run.args, run.split.report()
-    steps_run = done * run.steps_per_epoch - run.first_step  # a resumed epoch's steps may be fewer
-    epoch_s = parts["steps"] * run.steps_per_epoch / max(1, steps_run)
+    epoch_s = run.steps_per_epoch * args.batch_size / max(stats["images_per_s"], 1e-9)
     knn_s = parts["knn"]
     knn_left = sum(knn_due(args, e) for e in range(done + 1, args.epochs + 1)) if run.monitor else 0
     left = (args.epochs - done) * (epoch_s + parts["epoch_ends"]) + knn_left * knn_s

@@ -11,6 +11,12 @@ _IMPORTED = time.time()
 
 
 STARTED = None  # when this process started, once a script's entry point (sce.cli.run) says so
+MARKS = []  # (name, time) of mark(): the parts of start-up
+
+
+def mark(name):
+    """The end of a part of start-up: `name` took the time since the previous mark (or the process's start)."""
+    MARKS.append((name, time.time()))
 
 
 def process_start():
@@ -70,12 +76,25 @@ class Split:
         parts["exit"] = now - end
         return parts, wall
 
+    def startup_parts(self):
+        """{part: seconds} of start-up, from the marks between this process's start and the training loop's; the
+        time after the last mark is "rest"."""
+        end, parts, last = self.loop_start or time.time(), {}, self.start
+        for name, at in MARKS:
+            if self.start <= at <= end:
+                parts[name], last = parts.get(name, 0.0) + at - last, at
+        return dict(parts, rest=end - last) if parts else {}
+
     def write(self, output_dir, **fields):
         """Print the split and append it to OUTPUT_DIR/timing.txt (with `fields`); returns the line's dict."""
         parts, wall = self.report()
-        shown = ", ".join(f"{name.replace('_', ' ')} {parts[name]:.1f} s" for name in PARTS if parts[name] >= 0.05)
+        startup = self.startup_parts()
+        shown = ", ".join(f"{name.replace('_', ' ')} {parts[name]:.1f} s" + (
+            " (" + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()) + ")" if name == "startup" and startup else "")
+            for name in PARTS if parts[name] >= 0.05)
         print(f"=> wall time {wall:.1f} s: {shown or 'nothing measured'}", flush=True)
-        line = dict(fields, wall_s=round(wall, 3), **{f"{p}_s": round(parts[p], 3) for p in PARTS})
+        line = dict(fields, wall_s=round(wall, 3), **{f"{p}_s": round(parts[p], 3) for p in PARTS},
+                    startup_parts={k: round(v, 3) for k, v in startup.items()})
         with open(os.path.join(output_dir, "timing.txt"), "a") as f:
             f.write(json.dumps(line) + "\n")
         return line

@@ -184,6 +184,29 @@ def assert_mid_epoch_resume_is_exact(args, tmp_path, monkeypatch, signal_step=3)
     return tmp_path / "ref"
 
 
+class Replay:
+    """A CPU stand-in for CudaGraphs: 'capture' runs nothing, 'replay' runs the captured function again
+    on the same static inputs (what a CUDA graph does with them). Steps must read every value that
+    changes through those inputs: a Python number captured in the function would stay stale here."""
+
+    def __init__(self, fail=False):
+        self.fail, self.captures, self.replays = fail, 0, 0
+
+    def eager(self, fn):
+        return fn()
+
+    def capture(self, fn):
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        out = []
+
+        def replay():
+            self.replays += 1
+            out.append(fn())
+        return replay, lambda: out[-1]
+
+
 def fake_compile(monkeypatch, compiled_call):
     """nn.Module.compile replaced by a stand-in whose compiled call of a module is compiled_call(module,
     *args, **kwargs): raise there to play a compiler's failure; module._call_impl runs the module eagerly."""

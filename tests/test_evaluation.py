@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import torchvision.transforms as T
 from PIL import Image
 
-from conftest import (TINY, exit_message, fake_compile, load, no_triton, script_in_process, write_cifar,
+from conftest import (TINY, Replay, exit_message, fake_compile, load, no_triton, script_in_process, write_cifar,
                       write_imagefolder, write_tiny_imagenet)
 import main_lincls
 import main_pretrain
@@ -453,6 +453,22 @@ def test_linear_probe_resume_through_the_loader_is_exact(pretrained, folder, tmp
     assert torch.equal(a["fc.weight"], b["fc.weight"]) and torch.equal(a["fc.bias"], b["fc.bias"])
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_probes_graphed_step_gives_the_eager_numbers(pretrained, folder, tmp_path, monkeypatch, fail):
+    # 24 images in batches of 10: steps 1-3 eager (warm-up), step 4 captured and replayed from then on, each epoch's
+    # last batch (4 images) eager; what changes reaches the graph through device tensors (the lr, the step's index)
+    common = ["--data", folder, "--pretrained", pretrained, "--crop-size", "16", "--batch-size", "10", "--lr", "1",
+              "--epochs", "3", "--milestones", "1", "2", "--workers", "0"]
+    main_lincls.main(common + ["--output-dir", str(tmp_path / "eager")])
+    graphs = Replay(fail)
+    monkeypatch.setattr(main_lincls, "graphs_for", lambda *a: graphs)
+    with pytest.warns(UserWarning, match="capture of the probe's step failed") if fail else contextlib.nullcontext():
+        main_lincls.main(common + ["--output-dir", str(tmp_path / "graphed")])
+    assert (graphs.captures, graphs.replays) == (1, 0 if fail else 4)  # steps 4 (captured), 5, 7 and 8
+    a, b = (load(str(tmp_path / run / "checkpoint_last.pth")) for run in ("eager", "graphed"))
+    assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and torch.equal(a["model"]["fc.bias"],
+                                                                                         b["model"]["fc.bias"])
+    assert [a[k] for k in ("acc1", "acc5", "best_acc1")] == [b[k] for k in ("acc1", "acc5", "best_acc1")]
 
 
 # ---------------------------------------------------------------- the routes: the same batches

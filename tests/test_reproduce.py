@@ -219,6 +219,13 @@ def test_smoke_run_stopped_and_continued(tmp_path):
         assert split["wall"] == pytest.approx(measured[f"sce {stage}"], rel=0.05), (stage, split, measured)
         assert split["steps"] > 0 and f"| SCE {stage} | {split['wall']:.1f} | " in table
     assert row["split"]["pretrain"]["knn"] > 0 and row["split"]["linear"]["evaluation"] > 0
+    # start-up in parts (sce.timing.mark), which add up to it: where a GPU's 13-16 s of start-up a stage go
+    for stage, parts in (("sce", ["imports", "data", "model and kNN data", "resume and TensorBoard", "rest"]),
+                         ("sce/linear", ["imports", "trunk", "data", "rest"])):
+        for line in open(tmp_path / "term" / stage / "timing.txt"):
+            timed = json.loads(line)
+            assert list(timed["startup_parts"]) == parts
+            assert sum(timed["startup_parts"].values()) == pytest.approx(timed["startup_s"], abs=0.01)
     # an OUT_DIR holds one dataset from one DATA_DIR: another is refused in one line, before anything runs
     other = reproduce("cifar10", tmp_path / "large", tmp_path / "term", SMOKE="1", METHODS="sce")
     assert other.returncode == 1 and other.stderr.count("\n") == 1 and "===" not in other.stdout

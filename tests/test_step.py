@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_same_state, exit_message, fake_compile, write_imagefolder
+from conftest import Replay, assert_same_state, exit_message, fake_compile, write_imagefolder
 from sce import UserError, losses
 from sce.builder import MomentumModel
 from sce.compiling import Log, compile_module
@@ -239,25 +239,6 @@ def test_compiled_trunk_keeps_its_keys(monkeypatch):
     with torch.no_grad():
         compile_module(trunk, "trunk", Log())(torch.zeros(1, 3, 32, 32))
     assert calls == [trunk]
-
-
-class Replay:
-    """A CPU stand-in for CudaGraphs: 'capture' runs nothing, 'replay' runs the captured function again
-    on the same static inputs (what a CUDA graph does with them). Steps must read every value that
-    changes through those inputs: a Python number captured in the function would stay stale here."""
-
-    def __init__(self, fail=False):
-        self.fail, self.captures = fail, 0
-
-    def eager(self, fn):
-        return fn()
-
-    def capture(self, fn):
-        self.captures += 1
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        out = []
-        return lambda: out.append(fn()), lambda: out[-1]
 
 
 def training(lam):

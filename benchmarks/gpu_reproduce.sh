@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One stretch of GPU time on the CIFAR-10 column: reproduce.sh for METHODS under a time limit, nvidia-smi sampled
+# every 2 s, and what matters copied to $OUT (the device tool brings back at most 8 files: five, and the trunk of
+# the first finished method in three parts). Run it again at once with the time left: reproduce.sh continues where
+# the limit stopped it (runs/ stays while the machine is held).
+#   bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]    (METHODS: default "sce moco"; OUT: default $OUT, else runs/gpu_out)
+# The data: data/cifar10/{train,val}, or unpacked here from data/cifar10-jpeg.tar.gz (carried: 20 MB).
+set -u
+LIMIT=${1:?usage: bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]}
+DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
+cd "$(dirname "$0")/.."
+mkdir -p "$DEST"
+RUNS=runs/repro
+if [ ! -d data/cifar10/train ]; then
+    mkdir -p data/cifar10 && tar -xzf data/cifar10-jpeg.tar.gz -C data/cifar10 || exit 1
+fi
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+  git log --oneline -1; } > "$DEST/machine.txt" 2>&1
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.draw --format=csv -l 2 \
+    >> "$DEST/nvidia-smi.csv" 2>/dev/null &
+sampler=$!
+# SIGTERM at the limit: the running stage saves and stops; SIGKILL 20 s later if it has not
+METHODS=${METHODS:-sce moco} PYTHON=${PYTHON:-python3} timeout -s TERM -k 20 "$LIMIT" \
+    bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" 2>&1 | tee "$DEST/reproduce.txt"
+code=${PIPESTATUS[0]}
+kill "$sampler" 2>/dev/null
+# each stage's whole output, then each run's log.txt, time split and estimate (concatenated: 8 files at most)
+for f in "$RUNS"/*.log; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$DEST/stages.log"
+for f in "$RUNS"/*/{log.txt,timing.txt,estimate.json} "$RUNS"/*/linear/{log.txt,timing.txt,results_linear.json} \
+         "$RUNS"/times; do
+    [ -f "$f" ] && { echo "##### $f"; cat "$f"; }
+done > "$DEST/runs.txt"
+[ -f "$RUNS/results.md" ] && { echo "##### $RUNS/results.md"; cat "$RUNS/results.md"; } >> "$DEST/runs.txt"
+# the trunk of the first finished method (fp32, ~45 MB for a ResNet-18) in three parts of at most 15 MiB, for the
+# analyses a CPU can do with it (features without augmentation, the probe's optimiser against the convex optimum):
+#   cat trunk.pth.part-* > trunk.pth
+for method in ${METHODS:-sce moco}; do
+    ckpt=$RUNS/$method/checkpoint_last.pth
+    [ -f "$RUNS/$method/linear/results_linear.json" ] && [ -f "$ckpt" ] || continue
+    python3 -c "import sys, torch; from sce.checkpoint import load, trunk_state_dict
+torch.save(trunk_state_dict(load(sys.argv[1])), sys.argv[2])" "$ckpt" "$RUNS/trunk_$method.pth" \
+        && split -b 15M "$RUNS/trunk_$method.pth" "$DEST/trunk_$method.pth.part-"
+    break
+done
+echo "exit $code" | tee -a "$DEST/reproduce.txt"
+exit "$code"
