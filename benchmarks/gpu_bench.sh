@@ -11,6 +11,9 @@
 # 3. symmetric: the same step with both global views as targets; 4. imagenet_eager: not compiled.
 # 5. cifar_blocks: cifar_graph with each residual block compiled apart: its cold compile (first_step_s) against
 #    cifar_graph's whole trunks (the warm Inductor cache of cifar_graph does not serve it: other graphs).
+# 6. cifar_graph_eager: cifar_graph without compiling (the CUDA graph of eager kernels): what the compile buys
+#    per step against what it costs cold (74 s of a CIFAR-10 stage on an H200).
+# ONLY="cifar_graph cifar_blocks cifar_graph_eager" runs those rows only (gpu_common.sh).
 set -u
 LOG=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu_bench}")
 cd "$(dirname "$0")/.."
@@ -36,8 +39,10 @@ check symmetric 150 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --compile
 check imagenet_eager 120 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --augment gpu decode
 # shellcheck disable=SC2086
 check cifar_blocks 200 "$PY" benchmarks/bench_pretrain.py $SMALL --cuda-graph --compile-blocks
+# shellcheck disable=SC2086
+check cifar_graph_eager 90 "$PY" benchmarks/bench_pretrain.py ${SMALL/--compile /} --cuda-graph
 
-for name in cifar_graph cifar_no_graph imagenet symmetric imagenet_eager cifar_blocks; do
+for name in cifar_graph cifar_no_graph imagenet symmetric imagenet_eager cifar_blocks cifar_graph_eager; do
     [ -f "$LOG/$name.log" ] && { echo "### $name"; sed -n '/^| measurement/,$p' "$LOG/$name.log"; }
 done
 finish

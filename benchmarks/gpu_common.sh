@@ -11,10 +11,13 @@ if [ ! -d "$CIFAR/train" ] && [ -f data/cifar10-jpeg.tar.gz ]; then  # the archi
 fi
 
 # check NAME LIMIT_S CMD...: CMD under LIMIT_S, its output in $LOG/NAME.log and $LOG/checks.log; skipped when the
-# budget has less left (a run cut short would read as a failure)
+# budget has less left (a run cut short would read as a failure), and when ONLY (names, blank-separated) omits it
 check() {
     local name=$1 limit=$2 left t0 rc status
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return
+    fi
     left=$(( BUDGET_S - ($(date +%s) - START) ))
     if (( left < limit )); then
         ROWS+=("| $name | skipped (budget: ${left}s left) | 0 |")
