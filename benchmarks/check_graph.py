@@ -6,9 +6,9 @@ losses, the logged terms of eq. 10 and the final weights must agree. The lr, the
 at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
 Not covered: shuffle-BN's permutation, drawn in the graph from CUDA's generator in another order.
-Then the linear probe's step (sce.probe.Step) the same way: a frozen ResNet-18 trunk and its head, 8 full batches
-and a partial one (eager in both runs), the lr changing at every step; the head, the epoch's sums and the
-non-finite record must agree.
+Then the linear probe's step (sce.probe.Step) the same way: a frozen ResNet-18 trunk (eager) and its head, 8 whole
+batches, a partial one (eager in both runs) and 3 whole ones, the lr changing at every step; the losses, the head
+and the epoch's sums must agree, and a non-finite loss at a replayed step must be recorded at its index.
 
     python benchmarks/check_graph.py [--steps 8]
 """
@@ -73,24 +73,27 @@ ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for e, g in zip(eager, graph) for
 print("pretraining:", "ok" if ok else "FAILED: the graph's numbers are not the eager step's")
 
 
-def probe_run(graphed):
+def probe_run(graphed, poison=None):
+    """args.steps whole batches, a partial one (eager in both runs), 3 whole ones (replays after an eager step);
+    `poison`: the step whose first image is inf (a non-finite loss, which first_bad must record)."""
     torch.manual_seed(0)
     trunk = build_trunk("resnet18", small_input=True)[0].to(device).eval().requires_grad_(False)
     head = make_head(512, 10, device)
     optimizer = build_optimizer("sgd", head, 30.0, 0.0, exclude_bias_norm=True)
     lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
-    probe = Probe(1, args.steps + 1, 256, 30.0, "step", (60, 80), 0, 10, None)
+    probe = Probe(1, args.steps + 4, 256, 30.0, "step", (60, 80), 0, 10, None)
     model = Head(Frozen(trunk, 512, {}, "resnet18", True), head, head, optimizer,
                  torch.amp.GradScaler("cuda", enabled=False))
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     step = Step(probe, model, sums, CudaGraphs(device) if graphed else None)
     losses_ = []
-    for i in range(args.steps + 1):  # the last batch partial: eager in both runs
+    for i in range(args.steps + 4):
         g = torch.Generator().manual_seed(100 + i)
-        images = torch.randn(256 if i < args.steps else 80, 3, 32, 32, generator=g).to(device)
+        images = torch.randn(80 if i == args.steps else 256, 3, 32, 32, generator=g)
+        images[0] = float("inf") if i == poison else images[0]
         target = torch.randint(0, 10, (len(images),), generator=g).to(device)
         set_lr(optimizer, 3.0 / (i + 1))
-        losses_.append(float(step(images, target, i).detach()))
+        losses_.append(float(step(images.to(device), target, i).detach()))
     if graphed and step.replay is None:
         sys.exit("error: the probe's step was not captured as a CUDA graph (see the warning above)")
     return losses_, torch.cat([head.weight.flatten(), head.bias]), sums.clone(), step.first_bad.clone()
@@ -101,9 +104,16 @@ probe_worst = (e_head - g_head).abs().max().item()
 print("probe losses eager:", " ".join(f"{x:.4f}" for x in e_loss))
 print("probe losses graph:", " ".join(f"{x:.4f}" for x in g_loss))
 print(f"probe: largest head difference {probe_worst:.2e}, sums {e_sums.tolist()} / {g_sums.tolist()}")
-probe_ok = (all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(e_loss, g_loss)) and torch.equal(e_bad, g_bad)
+probe_ok = (all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(e_loss, g_loss))
+            and e_bad.tolist() == g_bad.tolist() == [-1.0, -1.0]
             and probe_worst <= 1e-4 * max(1.0, e_head.abs().max().item())
             and torch.allclose(e_sums, g_sums, rtol=1e-6, atol=0))
+# a non-finite loss at a replayed step (after the partial batch) is recorded at its index, as eagerly
+poison = args.steps + 2
+(_, _, _, e_bad), (_, _, _, g_bad) = probe_run(False, poison), probe_run(True, poison)
+print(f"probe: the first non-finite loss recorded at step {e_bad[0].item():.0f} eagerly, {g_bad[0].item():.0f} in "
+      f"the graph (poisoned: {poison})")
+probe_ok = probe_ok and e_bad[0].item() == g_bad[0].item() == poison
 print("probe:", "ok" if probe_ok else "FAILED: the probe's graph does not give the eager step's numbers")
 print("ok" if ok and probe_ok else "FAILED")
 sys.exit(0 if ok and probe_ok else 1)

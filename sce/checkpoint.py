@@ -154,6 +154,7 @@ class Writer:
             except BaseException as e:  # noqa: BLE001: raised in the training thread by the next call
                 self.error = e
             finally:
+                job = None  # its state (a GPU's: pinned host copies) is freed now, not at the next job
                 self.jobs.task_done()
 
     def save(self, state, output_dir, numbered=False, keep=0):

@@ -221,11 +221,15 @@ class CudaGraphs:
 
     def capture(self, fn):
         """(replay, outputs): replay() runs the captured work; outputs() its static output tensors."""
-        self.stream.wait_stream(torch.cuda.current_stream())
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the loader's pin-memory thread may call CUDA (cudaHostAlloc) during the capture
-        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-            out = fn()
+        try:  # thread_local: the loader's pin-memory thread may call CUDA (cudaHostAlloc) during the capture
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                out = fn()
+        except BaseException:  # a failed capture_end leaves the capture's stream current: the eager steps after
+            torch.cuda.set_stream(current)  # it would run there, unordered with the rest
+            raise
         return graph.replay, lambda: out
 
 

@@ -53,7 +53,10 @@ class Probe:
         return cosine_lr(step, self.epochs * self.steps, self.lr, self.warmup_epochs * self.steps)
 
     def autocast(self, device):
-        return torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None)
+        """The probe's autocast, the same for its training steps and validation: a compiled trunk's guards compare
+        the cache flag, and a CUDA graph's capture must not keep autocast's cast weights (the trunk runs under
+        no_grad, where the cache is not used anyway)."""
+        return torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None, cache_enabled=False)
 
 
 @dataclasses.dataclass
@@ -125,8 +128,9 @@ class Step:
         self.index.fill_(i)
         if self.graphs is None:
             return self._step(images, target)
-        if self.replay is None and self.capture_failed is None and self.calls > self.warmup:
-            self._capture(images, target)
+        if self.replay is None and self.capture_failed is None and self.calls > self.warmup \
+                and len(images) == self.probe.per_rank:  # a whole batch: an epoch's last may be smaller
+            self._capture(images, target, i)
         if self.replay is None or any(s.shape != x.shape or s.dtype != x.dtype or s.stride() != x.stride()
                                       for s, x in zip(self.static, (images, target))):
             return self.graphs.eager(lambda: self._step(images, target))
@@ -137,8 +141,7 @@ class Step:
 
     def _step(self, images, target):
         probe, model = self.probe, self.model
-        with torch.autocast(images.device.type, dtype=probe.amp, enabled=probe.amp is not None,
-                            cache_enabled=self.graphs is None):  # a capture must not keep autocast's cast weights
+        with probe.autocast(images.device):
             loss = F.cross_entropy(model.logits(probe, images), target)
         bad_now = torch.stack([self.index, loss.detach()])
         self.first_bad.copy_(torch.where((self.first_bad[0] < 0) & ~torch.isfinite(loss), bad_now, self.first_bad))
@@ -150,7 +153,7 @@ class Step:
         self.sums += torch.stack([loss.detach().double() * n, n])
         return loss
 
-    def _capture(self, images, target):
+    def _capture(self, images, target, i):
         start, self.static = time.time(), (images.clone(), target.clone())
         try:
             self.replay, self.outputs = self.graphs.capture(lambda: self._step(*self.static))
@@ -159,6 +162,9 @@ class Step:
             warnings.warn(f"CUDA graph capture of the probe's step failed ({self.capture_failed}): running it eagerly")
             return
         self.capture_s = time.time() - start
+        if du.is_main():
+            print(f"=> the probe's step runs as a CUDA graph from step {i + 1} of the epoch on (capture "
+                  f"{self.capture_s:.2f} s)", flush=True)
 
 
 def graphs_for(args, device, world):

@@ -455,16 +455,17 @@ def test_linear_probe_resume_through_the_loader_is_exact(pretrained, folder, tmp
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_the_probes_graphed_step_gives_the_eager_numbers(pretrained, folder, tmp_path, monkeypatch, fail):
-    # 24 images in batches of 10: steps 1-3 eager (warm-up), step 4 captured and replayed from then on, each epoch's
-    # last batch (4 images) eager; what changes reaches the graph through device tensors (the lr, the step's index)
-    common = ["--data", folder, "--pretrained", pretrained, "--crop-size", "16", "--batch-size", "10", "--lr", "1",
+    # 24 images in batches of 7 (7, 7, 7, 3): steps 1-3 eager (warm-up), step 4 eager too (a batch of 3: the capture
+    # waits for a whole one), step 5 captured and replayed from then on, each epoch's last batch eager; what changes
+    # reaches the graph through device tensors (the lr, the step's index)
+    common = ["--data", folder, "--pretrained", pretrained, "--crop-size", "16", "--batch-size", "7", "--lr", "1",
               "--epochs", "3", "--milestones", "1", "2", "--workers", "0"]
     main_lincls.main(common + ["--output-dir", str(tmp_path / "eager")])
     graphs = Replay(fail)
     monkeypatch.setattr(main_lincls, "graphs_for", lambda *a: graphs)
     with pytest.warns(UserWarning, match="capture of the probe's step failed") if fail else contextlib.nullcontext():
         main_lincls.main(common + ["--output-dir", str(tmp_path / "graphed")])
-    assert (graphs.captures, graphs.replays) == (1, 0 if fail else 4)  # steps 4 (captured), 5, 7 and 8
+    assert (graphs.captures, graphs.replays) == (1, 0 if fail else 6)  # steps 5 (captured), 6, 7, 9, 10 and 11
     a, b = (load(str(tmp_path / run / "checkpoint_last.pth")) for run in ("eager", "graphed"))
     assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and torch.equal(a["model"]["fc.bias"],
                                                                                          b["model"]["fc.bias"])

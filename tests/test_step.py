@@ -356,6 +356,14 @@ def test_the_evaluations_compile_their_trunk_once(pretrained, tmp_path, monkeypa
         results = [json.load(open(tmp_path / (extra[0] + c) / f"results_{name}.json")) for c in ("--compile",
                                                                                                  "--no-compile")]
         assert results[0]["acc1"] == pytest.approx(results[1]["acc1"])
+    # the probe's step as a CUDA graph (the CPU stand-in; captured at step 5, the first whole batch after 3 eager
+    # ones) compiles no more: the steps and the validation run the trunk under one autocast state (a compiled
+    # trunk's guards compare autocast's cache flag, which a capture must have off)
+    torch._dynamo.reset()  # not the graph the runs above compiled
+    before = len(graphs)
+    monkeypatch.setattr(main_lincls, "graphs_for", lambda *a: Replay())
+    main_lincls.main(common + ["--epochs", "3", "--lr", "1", "--compile", "--output-dir", str(tmp_path / "graphed")])
+    assert len(graphs) - before == 1
 
 
 def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys):
