@@ -89,9 +89,13 @@ class Split:
         """Print the split and append it to OUTPUT_DIR/timing.txt (with `fields`); returns the line's dict."""
         parts, wall = self.report()
         startup = self.startup_parts()
-        shown = ", ".join(f"{name.replace('_', ' ')} {parts[name]:.1f} s" + (
-            " (" + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()) + ")" if name == "startup" and startup else "")
-            for name in PARTS if parts[name] >= 0.05)
+
+        def said(name):
+            text = f"{name.replace('_', ' ')} {parts[name]:.1f} s"
+            if name == "startup" and startup:
+                text += " (" + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()) + ")"
+            return text
+        shown = ", ".join(said(name) for name in PARTS if parts[name] >= 0.05)
         print(f"=> wall time {wall:.1f} s: {shown or 'nothing measured'}", flush=True)
         line = dict(fields, wall_s=round(wall, 3), **{f"{p}_s": round(parts[p], 3) for p in PARTS},
                     startup_parts={k: round(v, 3) for k, v in startup.items()})
