@@ -8,9 +8,10 @@ kernels, so that only the graph differs (the compiled default path is checked en
 Not covered: shuffle-BN's permutation, drawn in the graph from CUDA's generator in another order.
 Then the linear probe's step (sce.probe.Step) the same way: a frozen ResNet-18 trunk (eager) and its head, 8 whole
 batches, a partial one (eager in both runs) and 3 whole ones, the lr changing at every step; the losses, the head
-and the epoch's sums must agree, and a non-finite loss at a replayed step must be recorded at its index.
+and the epoch's sums must agree, and a non-finite loss at a replayed step must be recorded at its index; then the
+same pair with the trunk torch.compile'd (main_lincls.py's default on a GPU; --no-compiled-probe skips it).
 
-    python benchmarks/check_graph.py [--steps 8]
+    python benchmarks/check_graph.py [--steps 8] [--no-compiled-probe]
 """
 import argparse
 import functools
@@ -24,6 +25,7 @@ from sce import losses  # noqa: E402
 from sce.builder import MomentumModel  # noqa: E402
 from sce.engine import GRAPH_WARMUP, Training, build_step, lr_as_tensors, train_step  # noqa: E402
 from sce.builder import build_trunk  # noqa: E402
+from sce.compiling import Log, compile_module  # noqa: E402
 from sce.engine import CudaGraphs  # noqa: E402
 from sce.frozen import Frozen  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
@@ -31,6 +33,9 @@ from sce.probe import Head, Probe, Step, make_head  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--steps", type=int, default=8, help=f"steps of each run, > {GRAPH_WARMUP} (default: 8)")
+parser.add_argument("--compiled-probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="the probe's pair also with a torch.compile'd trunk, main_lincls.py's default on a GPU "
+                         "(default: on; a cold compile, ~10-20 s)")
 args = parser.parse_args()
 device = torch.device("cuda")
 torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
@@ -73,16 +78,19 @@ ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for e, g in zip(eager, graph) for
 print("pretraining:", "ok" if ok else "FAILED: the graph's numbers are not the eager step's")
 
 
-def probe_run(graphed, poison=None):
+def probe_run(graphed, poison=None, compiled=False):
     """args.steps whole batches, a partial one (eager in both runs), 3 whole ones (replays after an eager step);
-    `poison`: the step whose first image is inf (a non-finite loss, which first_bad must record)."""
+    `poison`: the step whose first image is inf (a non-finite loss, which first_bad must record); compiled: the
+    trunk torch.compile'd (padded to a whole batch, as main_lincls.py runs it)."""
     torch.manual_seed(0)
     trunk = build_trunk("resnet18", small_input=True)[0].to(device).eval().requires_grad_(False)
+    if compiled:
+        compile_module(trunk, "trunk", Log(), fallback=False)
     head = make_head(512, 10, device)
     optimizer = build_optimizer("sgd", head, 30.0, 0.0, exclude_bias_norm=True)
     lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
     probe = Probe(1, args.steps + 4, 256, 30.0, "step", (60, 80), 0, 10, None)
-    model = Head(Frozen(trunk, 512, {}, "resnet18", True), head, head, optimizer,
+    model = Head(Frozen(trunk, 512, {}, "resnet18", True, compiled), head, head, optimizer,
                  torch.amp.GradScaler("cuda", enabled=False))
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     step = Step(probe, model, sums, CudaGraphs(device) if graphed else None)
@@ -114,6 +122,13 @@ poison = args.steps + 2
 print(f"probe: the first non-finite loss recorded at step {e_bad[0].item():.0f} eagerly, {g_bad[0].item():.0f} in "
       f"the graph (poisoned: {poison})")
 probe_ok = probe_ok and e_bad[0].item() == g_bad[0].item() == poison
+if args.compiled_probe:  # the compiled trunk inside the capture: main_lincls.py's default on a GPU
+    (e_loss, e_head, e_sums, _), (g_loss, g_head, g_sums, _) = probe_run(False, compiled=True), \
+        probe_run(True, compiled=True)
+    worst = (e_head - g_head).abs().max().item()
+    print(f"probe, compiled trunk: largest head difference {worst:.2e}")
+    probe_ok = probe_ok and all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(e_loss, g_loss)) \
+        and worst <= 1e-4 * max(1.0, e_head.abs().max().item()) and torch.allclose(e_sums, g_sums, rtol=1e-6, atol=0)
 print("probe:", "ok" if probe_ok else "FAILED: the probe's graph does not give the eager step's numbers")
 print("ok" if ok and probe_ok else "FAILED")
 sys.exit(0 if ok and probe_ok else 1)
