@@ -10,7 +10,6 @@ import os
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from sce import UserError, cli, data, outdir, timing, transfer
 from sce import distributed as du
@@ -24,6 +23,7 @@ from sce.preemption import Preemption, stop
 from sce.probe import (Head, Probe, Run, Step, check_frozen, check_resume, end_epoch, graphs_for, make_head, state,
                        train_one_epoch, validate)
 from sce.progress import Progress
+from sce.resume import check_mid_epoch
 
 
 def get_parser():
@@ -140,7 +140,7 @@ def evaluate(args, source, device):
             raise UserError(f"{args.resume} is a probe of another trunk than {args.pretrained}'s: pass another "
                             "--output-dir (or --resume none into an empty one) to probe this trunk")
     if args.resume:
-        check_resume(args.resume, frozen.ckpt, args, args.data)
+        check_resume(args.resume, frozen.ckpt, args)
     if du.is_main():
         outdir.bind_evaluation(args.output_dir, args.pretrained or source, named, args.dataset, args.data)
     args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, frozen.ckpt.get("args"),
@@ -185,10 +185,9 @@ def linear(args, frozen, source, device, split):
     load_head(head, frozen.ckpt, source, args, num_classes)
     reference = {k: v.detach().clone() for k, v in frozen.trunk.state_dict().items()}
     sampler = data.ShuffledShards(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    probe = Probe.of(args, sampler.num_samples, cli.AMP[args.amp])
-    # DDP all-reduces the head's gradients: the trunk is not trained
-    ddp = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None) \
-        if world > 1 else head
+    train_data = {"num_images": len(train), "data_order": data.ORDER_VERSION}  # a mid-epoch resume needs the same
+    probe = Probe.of(args, sampler.num_samples, cli.AMP[args.amp], train_data)
+    ddp = du.wrap_ddp(head, device) if world > 1 else head  # DDP all-reduces the head's gradients only
     optimizer = build_optimizer(args.optimizer, head, args.lr, args.weight_decay, args.sgd_momentum,
                                 exclude_bias_norm=True)
     model = Head(frozen, head, ddp, optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"))
@@ -198,7 +197,7 @@ def linear(args, frozen, source, device, split):
             print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
             write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
         return
-    start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device)
+    start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device, train_data)
     tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
     run = Run(args, probe, model, train.batches(probe.per_rank, sampler), val.batches(probe.per_rank), device,
               Preemption(world, args.dist_timeout), tensorboard, Writer(), split,
@@ -256,9 +255,10 @@ def load_head(head, ckpt, source, args, num_classes):
         raise UserError("--evaluate needs a trained head: pass a main_lincls.py checkpoint as --pretrained")
 
 
-def resume_probe(args, model, source, device):
+def resume_probe(args, model, source, device, train_data):
     """(epoch, step in it, best Acc@1, the last (Acc@1, Acc@5), the epoch's sums so far on this rank) to start
-    from: a resumed probe's, else the start's."""
+    from: a resumed probe's, else the start's. Within an epoch, the epoch's order and crops are those of (seed,
+    batch, train images): another would skip or repeat images."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum and images of the epoch
     if not args.resume:
         return 0, 0, -1.0, (None, None), sums  # the first evaluated epoch is always the best so far
@@ -267,6 +267,8 @@ def resume_probe(args, model, source, device):
     if ckpt.get("scaler"):
         model.scaler.load_state_dict(ckpt["scaler"])
     epoch, step, best = ckpt["epoch"], ckpt.get("step_in_epoch", 0), ckpt.get("best_acc1", 0.0)
+    if step:
+        check_mid_epoch(source, ckpt, args, train_data)
     if step and du.is_main():  # the epoch's sums so far, over every rank
         sums += torch.tensor(ckpt["epoch_sums"], dtype=torch.float64, device=device)
     refuse_fewer_epochs(source, epoch, step, args.epochs)

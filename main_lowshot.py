@@ -19,7 +19,6 @@ optimistic. '--cost-selection cv' instead picks, for each draw, the cost with th
 cross-validated mAP on the training draw itself and evaluates only that cost on the test set.
 """
 import argparse
-import json
 import os
 
 import numpy as np
@@ -173,11 +172,10 @@ def lowshot(args):
         print(f"{res['shots']:>6}  {res['runs']:>4}  {res['mean']:6.2f} ± {res['std']:5.2f}  {cost}")
     print(all_fits.note(transfer.SVM_MAX_ITER, noun="SVM fits"))
     out = os.path.join(args.output_dir, "lowshot.json")
-    with open(out, "w") as f:
-        json.dump({"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder, "arch": frozen.arch,
-                   "cost_selection": args.cost_selection, "costs": args.costs, "seed": args.seed,
-                   "difficult": args.difficult, "std": "population (ddof 0) over draws", "results": results},
-                  f, indent=2)
+    outdir.write_json(out, {"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder,
+                            "arch": frozen.arch, "cost_selection": args.cost_selection, "costs": args.costs,
+                            "seed": args.seed, "difficult": args.difficult, "std": "population (ddof 0) over draws",
+                            "results": results})
     print(f"=> {out}")
 
 

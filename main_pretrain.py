@@ -286,7 +286,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     model = build_model(args, losses.criterion(args, lam), bn_splits, args.sync_bn and world_size > 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset))
+    data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset), data_order=data.ORDER_VERSION)
     monitor = knn_monitor(args, device, budget, compiles, batches, data_id["data_id"])
     untrained = monitor(model)[0] if args.demo else None
     timing.mark("model and kNN data")

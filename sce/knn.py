@@ -119,14 +119,16 @@ class Monitor:
     rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's. compiled: the encoder is
     compiled, and compiles once more, in eval mode, at the first call (the last batch padded: no other shape); a
     failure there costs the monitor nothing (sce.compiling.Fallback: the encoder runs eagerly). Of the last call:
-    `seconds` (compiling included), `compile_s`, `images` (how many it read)."""
+    `compile_s`, `images` (how many it read)."""
 
     def __init__(self, sets, k, t, max_train=None, seed=0, compiled=False, compiles=None):
         self.sets, self.k, self.t, self.max_train, self.seed = sets, k, t, max_train, seed
         self.compiles = compiles or Log()
-        self.fallback = None
-        self.seconds = self.images = self.compile_s = None
-        self.compiled = compiled
+        self.images = self.compile_s = None
+        self.fallback = Fallback("the kNN monitor's encoder", lambda model: self.accuracy(model, True),
+                                 lambda model: self.accuracy(model, False),
+                                 lambda: revert_to_eager(self.model.encoder)) if compiled else None
+        self.model = None  # the model of the call under way (the fallback's undo turns its encoder eager)
 
     def accuracy(self, model, pad):
         before = len(self.compiles.seconds)
@@ -137,14 +139,10 @@ class Monitor:
         return result
 
     def __call__(self, model):
-        start, logged = time.time(), self.compiles.total()
+        logged, self.model = self.compiles.total(), model
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)
-        if self.compiled and self.fallback is None:
-            self.fallback = Fallback("the kNN monitor's encoder", lambda: self.accuracy(model, True),
-                                     lambda: self.accuracy(model, False), lambda: revert_to_eager(model.encoder))
-        result = self.fallback() if self.fallback else self.accuracy(model, False)
+        result = self.fallback(model) if self.fallback else self.accuracy(model, False)
         train = min(len(self.sets[0]), self.max_train or len(self.sets[0]))
-        self.seconds, self.images = time.time() - start, train + len(self.sets[1])
-        self.compile_s = self.compiles.total() - logged
+        self.images, self.compile_s = train + len(self.sets[1]), self.compiles.total() - logged
         return result

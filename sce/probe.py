@@ -22,10 +22,6 @@ from sce.optim import cosine_lr, set_lr
 from sce.preemption import Preemption
 from sce.timing import Split
 
-# flags a resume within an epoch must keep: the epoch's order and crops are those of (seed, epoch, batch)
-MID_EPOCH_MUST_MATCH = {"batch_size": "--batch-size", "seed": "--seed"}
-
-
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """The probe's settings, read once from the flags."""
@@ -38,12 +34,13 @@ class Probe:
     warmup_epochs: int
     print_freq: int
     amp: object  # the autocast dtype, or None
+    data: dict = None  # the train split's num_images and data_order, saved: a resume within an epoch needs the same
 
     @classmethod
-    def of(cls, args, num_samples, amp):
+    def of(cls, args, num_samples, amp, data):
         per_rank = args.batch_size // du.world_size()
         return cls(args.epochs, math.ceil(num_samples / per_rank), per_rank, args.lr, args.schedule,
-                   tuple(args.milestones), args.warmup_epochs, args.print_freq, amp)
+                   tuple(args.milestones), args.warmup_epochs, args.print_freq, amp, data)
 
     def lr_at(self, step):
         """The lr of global step `step`: x0.1 at each milestone epoch (step), or a linear warmup then a cosine decay
@@ -170,9 +167,11 @@ class Step:
 def graphs_for(args, device, world):
     """The CUDA graphs of the probe's step (sce.engine.CudaGraphs), or None: --cuda-graph (default on) on one GPU
     process without fp16's GradScaler."""
-    if args.cuda_graph is False or device.type != "cuda" or world > 1 or args.amp == "fp16":
-        return None
-    return CudaGraphs(device)
+    possible = device.type == "cuda" and world == 1 and args.amp != "fp16"
+    if args.cuda_graph and not possible and du.is_main():  # as main_pretrain.py says it
+        print("=> --cuda-graph needs one GPU process without --amp fp16 (GradScaler): the probe's step runs eagerly",
+              flush=True)
+    return CudaGraphs(device) if possible and args.cuda_graph is not False else None
 
 
 def train_one_epoch(run, epoch, start, progress):
@@ -227,7 +226,8 @@ def state(run, epoch, step_in_epoch, epoch_sums, best, acc):
     is, its optimizer, its results so far."""
     args, model = run.args, run.model
     return {"kind": "lincls", "epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_sums": epoch_sums,
-            "args": vars(args), "data": os.path.abspath(args.data), "model": model.state(),
+            "args": vars(args), "data": os.path.abspath(args.data), **(run.probe.data or {}),
+            "model": model.state(),
             "optimizer": model.optimizer.state_dict(), "scaler": model.scaler.state_dict(), "best_acc1": best,
             "acc1": acc[0], "acc5": acc[1]}
 
@@ -255,19 +255,12 @@ def validate(probe, model, batches, device):
     return 100.0 * totals[1].item() / n, 100.0 * totals[2].item() / n, totals[0].item() / n
 
 
-def check_resume(path, ckpt, args, data):
-    """A probe continues only its own run: its data, and within an epoch its batch and seed (the epoch's order and
-    crops are a function of them: another would skip or repeat images)."""
-    if ckpt.get("data") and (ckpt["args"]["dataset"], ckpt["data"]) != (args.dataset, os.path.abspath(data)):
+def check_resume(path, ckpt, args):
+    """A probe continues only its own run: its data (within an epoch also its batch, seed and number of images: the
+    main_lincls.py's resume_probe checks them as pretraining does, sce.resume.check_mid_epoch)."""
+    if ckpt.get("data") and (ckpt["args"]["dataset"], ckpt["data"]) != (args.dataset, os.path.abspath(args.data)):
         raise UserError(f"{path} is a probe on other data (--dataset {ckpt['args'].get('dataset')} --data "
                         f"{ckpt.get('data')}): pass that data to continue it, or another --output-dir")
-    if not ckpt.get("step_in_epoch"):
-        return
-    for key, flag in MID_EPOCH_MUST_MATCH.items():
-        saved = ckpt["args"].get(key, getattr(args, key))
-        if saved != getattr(args, key):
-            raise UserError(f"{path} stopped mid-epoch with {flag} {saved}: resume it with the same value (not "
-                            f"{getattr(args, key)}), or from an epoch-end checkpoint")
 
 
 def check_frozen(trunk, reference):

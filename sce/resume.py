@@ -89,10 +89,13 @@ def check_mid_epoch(path, ckpt, args, data):
     saved = ckpt["args"]
     if saved.get("batch_size") != args.batch_size:
         raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
-                        f"same batch (not {args.batch_size}), or from an epoch-end checkpoint")
+                        f"same value (not {args.batch_size}), or from an epoch-end checkpoint")
     if saved.get("seed", args.seed) != args.seed:
-        raise UserError(f"{path} stopped mid-epoch with --seed {saved.get('seed')}: resume it with the same seed "
+        raise UserError(f"{path} stopped mid-epoch with --seed {saved.get('seed')}: resume it with the same value "
                         f"(not {args.seed}), or from an epoch-end checkpoint")
+    if "data_order" in data and ckpt.get("data_order") != data["data_order"]:
+        raise UserError(f"{path} stopped mid-epoch under an earlier version, which drew the epoch's order otherwise: "
+                        "resume from an epoch-end checkpoint (checkpoint_NNNN.pth), or with the version that wrote it")
     if None not in (ckpt.get("num_images"), num_images) and ckpt["num_images"] != num_images:
         raise UserError(f"{path} stopped mid-epoch on {ckpt['num_images']} images: resume it on the same data "
                         f"(not {num_images} images), or from an epoch-end checkpoint")

@@ -1,5 +1,5 @@
 """Frozen-feature transfer: the many-shot logistic regression (ssl-transfer protocol) and the low-shot LinearSVC
-helpers (PCL protocol). Features come from sce.knn.split_features."""
+helpers (PCL protocol). Features come from sce.frozen.split_features."""
 import warnings
 
 import numpy as np

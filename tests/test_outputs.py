@@ -146,6 +146,15 @@ def test_the_probe_saves_on_a_stop_signal_and_resumes_exactly(data, pretrained, 
             with pytest.raises(UserError, match=rf"stopped mid-epoch with {flag} (8|0): resume it with the same "
                                                 rf"value \(not {value}\), or from an epoch-end checkpoint"):
                 probe(data, pretrained, tmp_path / "run", *flags, flag, value)
+        # nor one more image in its folder (the checkpoint moved along with a copy of the data, one file added)
+        more = shutil.copytree(data, tmp_path / "more")
+        cls = sorted((more / "train").iterdir())[0]
+        shutil.copy(sorted(cls.iterdir())[0], cls / "extra.png")
+        moved = dict(saved, data=str(more))
+        os.makedirs(tmp_path / "moved")
+        torch.save(moved, tmp_path / "moved" / "checkpoint_last.pth")
+        with pytest.raises(UserError, match=r"stopped mid-epoch on 24 images: resume it on the same data \(not 25"):
+            probe(str(more), pretrained, tmp_path / "moved", *flags)
     probe(data, pretrained, tmp_path / "run", *flags)
     a, b = (load(tmp_path / run / "checkpoint_last.pth") for run in ("ref", "run"))
     assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and a["acc1"] == b["acc1"]

@@ -181,6 +181,11 @@ def test_a_mid_epoch_resume_with_another_seed_or_dataset_is_refused(small, stopp
     with pytest.raises(UserError, match=r"mid-epoch on other data \(other files, labels or pixels\)") as err:
         pretrain(other, out)  # 16 images too: the same size, other files
     assert "\n" not in str(err.value)
+    earlier = load(out / "checkpoint_last.pth")  # stopped mid-epoch by a version that drew orders from seed + epoch
+    earlier.pop("data_order")
+    torch.save(earlier, tmp_path / "earlier.pth")
+    with pytest.raises(UserError, match="mid-epoch under an earlier version, which drew the epoch's order otherwise"):
+        pretrain(small, tmp_path / "resumed", "--resume", tmp_path / "earlier.pth")
     older = load(out / "checkpoint_last.pth")  # a checkpoint from before the dataset size was recorded
     older.pop("num_images", None)
     older.pop("data_id", None)

@@ -10,6 +10,11 @@ from torch.utils.data import DistributedSampler, Sampler
 from sce import distributed as du
 
 
+# how epoch orders are drawn (order_seed), saved with a checkpoint: one stopped within an epoch resumes only under
+# the same (before it, seed + epoch seeded them: the rest of that epoch would be another permutation's)
+ORDER_VERSION = "seed-epoch-hash"
+
+
 def order_seed(seed, epoch):
     """The seed of epoch `epoch`'s data order in a run seeded `seed`: a 64-bit hash of the pair (numpy's
     SeedSequence), not seed + epoch, with which --seed 1 would read --seed 0's orders one epoch early."""
