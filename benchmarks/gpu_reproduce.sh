@@ -10,18 +10,19 @@ LIMIT=${1:?usage: bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]}
 DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
 cd "$(dirname "$0")/.."
 mkdir -p "$DEST"
+export METHODS=${METHODS:-sce moco} PYTHON=${PYTHON:-python3}
 RUNS=runs/repro
 if [ ! -d data/cifar10/train ]; then
     mkdir -p data/cifar10 && tar -xzf data/cifar10-jpeg.tar.gz -C data/cifar10 || exit 1
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+  "$PYTHON" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
   git log --oneline -1; } > "$DEST/machine.txt" 2>&1
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.draw --format=csv -l 2 \
     >> "$DEST/nvidia-smi.csv" 2>/dev/null &
 sampler=$!
 # SIGTERM at the limit: the running stage saves and stops; SIGKILL 20 s later if it has not
-METHODS=${METHODS:-sce moco} PYTHON=${PYTHON:-python3} timeout -s TERM -k 20 "$LIMIT" \
+timeout -s TERM -k 20 "$LIMIT" \
     bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" 2>&1 | tee "$DEST/reproduce.txt"
 code=${PIPESTATUS[0]}
 kill "$sampler" 2>/dev/null
@@ -35,10 +36,10 @@ done > "$DEST/runs.txt"
 # the trunk of the first finished method (fp32, ~45 MB for a ResNet-18) in three parts of at most 15 MiB, for the
 # analyses a CPU can do with it (features without augmentation, the probe's optimiser against the convex optimum):
 #   cat trunk.pth.part-* > trunk.pth
-for method in ${METHODS:-sce moco}; do
+for method in $METHODS; do
     ckpt=$RUNS/$method/checkpoint_last.pth
     [ -f "$RUNS/$method/linear/results_linear.json" ] && [ -f "$ckpt" ] || continue
-    python3 -c "import sys, torch; from sce.checkpoint import load, trunk_state_dict
+    "$PYTHON" -c "import sys, torch; from sce.checkpoint import load, trunk_state_dict
 torch.save(trunk_state_dict(load(sys.argv[1])), sys.argv[2])" "$ckpt" "$RUNS/trunk_$method.pth" \
         && split -b 15M "$RUNS/trunk_$method.pth" "$DEST/trunk_$method.pth.part-"
     break

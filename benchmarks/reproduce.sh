@@ -63,7 +63,10 @@ LINEAR=""  # the linear probe's flags beyond its defaults (100 epochs, lr 30, x0
 # SIGTERM / SIGINT / SIGUSR1 go to the running stage, which saves and stops; the script exits with its code. One
 # that comes while no stage runs (the data check, between two stages) stops the script before the next.
 child=0
-forward() { [ "$child" -gt 0 ] && kill -TERM "$child" 2>/dev/null; stopping=1; }
+forward() {  # never fails (set -e): a stage just reaped leaves nothing to signal
+    stopping=1
+    if (( child > 0 )); then kill -TERM "$child" 2>/dev/null || true; fi
+}
 stopping=0
 trap forward TERM INT USR1
 stop_if_asked() {

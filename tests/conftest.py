@@ -186,8 +186,9 @@ def assert_mid_epoch_resume_is_exact(args, tmp_path, monkeypatch, signal_step=3)
 
 class Replay:
     """A CPU stand-in for CudaGraphs: 'capture' runs nothing, 'replay' runs the captured function again
-    on the same static inputs (what a CUDA graph does with them). Steps must read every value that
-    changes through those inputs: a Python number captured in the function would stay stale here."""
+    on the same static inputs (what a CUDA graph does with them). It re-runs the function's Python, so a value
+    read in Python at each call (a param group's float lr) is fresh here but would be frozen in a real graph:
+    the tests check that such values are device tensors; benchmarks/check_graph.py checks the real graph."""
 
     def __init__(self, fail=False):
         self.fail, self.captures, self.replays = fail, 0, 0

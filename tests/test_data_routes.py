@@ -71,9 +71,11 @@ def test_the_routes_draw_the_same_parameters_and_make_the_same_pixels(photos):
     for v in range(2):  # the tensor routes: the same pixels, the uint8 and float resizes a level apart
         diff = (pixels["decode"][v] - pixels["gpu"][v]).abs()
         assert diff.max() <= 1e-3, (v, diff.max())  # on the CPU, the same uint8 resize of one image
-        if v == 0:  # before the photometric ops (which spread the differences over every pixel, by < 2 levels)
-            diff = (pixels["preload"][v] - pixels["gpu"][v]).abs()
+        diff = (pixels["preload"][v] - pixels["gpu"][v]).abs()
+        if v == 0:  # before the photometric ops
             assert diff.max() <= 1.01 and (diff > 1e-3).float().mean() < 0.3, (v, diff.max())
+        else:  # they spread the differences over every pixel, by a few levels (an unrelated batch: ~40 on average)
+            assert diff.max() <= 4 and diff.mean() < 1, (v, diff.max(), diff.mean())
     for v, (most, mean) in enumerate(((4, 0.5), (24, 2))):  # the PIL route (module docstring)
         diff = (pixels["cpu"][v] - pixels["gpu"][v]).abs()
         assert diff.max() <= most and diff.mean() <= mean, (v, diff.max(), diff.mean())

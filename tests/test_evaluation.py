@@ -470,6 +470,9 @@ def test_the_probes_graphed_step_gives_the_eager_numbers(pretrained, folder, tmp
     assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and torch.equal(a["model"]["fc.bias"],
                                                                                          b["model"]["fc.bias"])
     assert [a[k] for k in ("acc1", "acc5", "best_acc1")] == [b[k] for k in ("acc1", "acc5", "best_acc1")]
+    # the lr reaches a real graph as a device tensor (the stand-in would also see a float: it reruns the Python)
+    assert all(torch.is_tensor(g["lr"]) for g in b["optimizer"]["param_groups"])
+    assert not any(torch.is_tensor(g["lr"]) for g in a["optimizer"]["param_groups"])  # eager: floats, as before
 
 
 # ---------------------------------------------------------------- the routes: the same batches

@@ -42,9 +42,6 @@ class Preloaded:
         self.ready = {epoch + 1: self.worker.submit(self._moved, epoch + 1)} if self.ahead else {}
         return order, tables
 
-    def __len__(self):
-        return -(-(len(self.images) - self.skip) // self.per_batch)
-
     def __iter__(self):
         order, tables = self.tables(self.epoch)
         for index in order[self.skip:].split(self.per_batch):

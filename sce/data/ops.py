@@ -5,7 +5,8 @@ Crop and resize are two matrix products with the weights of an antialiased resiz
 (a triangle filter as wide as the scale when shrinking: torch's `interpolate(mode="bilinear",
 antialias=True)`; a cubic one for "bicubic"), so a batch of images with a window each is one batched
 product, and a window may reach outside its image (zero padding). A crop is rounded to whole levels, as
-a uint8 image would be: every tensor route gives the same pixels.
+a uint8 image would be: every tensor route gives the same pixels within a level (window_crop interpolates
+the loader workers' uint8 crops in uint8).
 
 The photometric ops each compute what torchvision.transforms.v2.functional computes for one image, in
 fp32 on [0, 1], every op on every image with a per-image `where` keeping it or not: no data-dependent

@@ -10,8 +10,8 @@
 Every route yields the same batch to the step: the list of views, each (N, 3, size, size) normalised in the
 run's dtype and memory format on the device. Every route draws a view's parameters with sce.data.views.draw
 from (seed, epoch, index, view), the seed the sampler's, so the routes give the same crops, flips and
-photometric parameters, and the tensor routes the same pixels (the PIL resize of --augment cpu differs from the
-tensor one by a level or two). An unreadable image is replaced by the next readable one, named once, and
+photometric parameters, and the tensor routes the same pixels within a level (the workers crop uint8 images in
+uint8, the device crops decoded ones in float; the PIL resize of --augment cpu differs by a level or two). An unreadable image is replaced by the next readable one, named once, and
 counted against max_bad."""
 import copy
 import functools
@@ -59,7 +59,7 @@ def pretrain_batches(dataset, specs, sampler, device, route, *, try_preload=Fals
     views = Views(specs, device, dtype, channels_last, compile, compiles)
     images = preload(dataset, budget, required, workers, max_bad) if try_preload else None
     if images is not None:
-        return PreloadRoute(dataset, images, sampler, views)
+        return PreloadRoute(images, sampler, views)
     samples = Samples(dataset, specs, sampler.seed, route)
     kind = {"cpu": CpuRoute, "gpu": GpuRoute, "decode": DecodeRoute}[route]
     return kind(samples, sampler, views, workers, max_bad)
@@ -201,8 +201,8 @@ class PreloadRoute:
     every image's parameters moved there once (sce.data.assembly.Preloaded)."""
     wait_s = 0.0
 
-    def __init__(self, dataset, images, sampler, views):
-        self.dataset, self.preloaded, self.sampler, self.views = dataset, images, sampler, views
+    def __init__(self, images, sampler, views):
+        self.preloaded, self.sampler, self.views = images, sampler, views
         self.images = images.images
         self.epochs = Preloaded(self.images, sampler.batch // sampler.world, self.tables,
                                 lambda index, rows: views.preloaded(self.images[index], rows))
