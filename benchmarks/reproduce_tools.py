@@ -26,7 +26,7 @@ from importlib.metadata import version
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
-from sce import UserError, layouts  # noqa: E402  (no torch)
+from sce import UserError, layouts, timing  # noqa: E402  (no torch)
 
 # the paper's baselines table (Sec. 4.2), linear top-1: SCE, and the authors' reproductions of ReSSL and MoCo v2
 PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
@@ -235,7 +235,9 @@ def row_estimate(out, env_file, method, linear_flags, methods):
     for m in methods:
         if os.path.isfile(os.path.join(out, m, "linear", "results_linear.json")):
             continue
-        stages += [(f"{m} pretrain", e["stage_s"]), (f"{m} linear", linear)]
+        # the running stage as its estimate says (it may have resumed); the others whole, at its rates
+        stages += [(f"{m} pretrain", e["stage_s"] if m == method else e.get("whole_stage_s", e["stage_s"])),
+                   (f"{m} linear", linear)]
     said = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in stages)
     print(f"=> estimated time of each stage on this machine: {said}; {sum(s for _, s in stages) / 60:.1f} min in "
           f"all (the linear probe at {rate:.0f} images/s, the trunk's rate in the kNN)", flush=True)
@@ -260,7 +262,7 @@ def finished(out, method):
     return linear, lines[-1], json.load(open(read[2]))
 
 
-PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]  # sce.timing's
+PARTS = timing.PARTS
 
 
 def stage_split(folder):

@@ -231,20 +231,25 @@ def estimate(run, done, stats):
     epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an epoch."""
     args, (parts, wall) = run.args, run.split.report()
     epoch_s = run.steps_per_epoch * args.batch_size / max(stats["images_per_s"], 1e-9)
-    knn_s = parts["knn"]
+    knn_s = parts["knn"]  # one run so far (after the invocation's first epoch; its compile included)
+    end_s = parts["epoch_ends"] / max(1, done - run.first_step // run.steps_per_epoch)  # an epoch's end
     knn_left = sum(knn_due(args, e) for e in range(done + 1, args.epochs + 1)) if run.monitor else 0
-    left = (args.epochs - done) * (epoch_s + parts["epoch_ends"]) + knn_left * knn_s
+    left = (args.epochs - done) * (epoch_s + end_s) + knn_left * knn_s
+    # the whole stage afresh at these rates (another method's, in benchmarks/reproduce.sh's row estimate)
+    knn_runs = sum(knn_due(args, e, e == 1) for e in range(1, args.epochs + 1)) if run.monitor else 0
+    whole = parts["startup"] + parts["compiling"] + args.epochs * (epoch_s + end_s) + knn_runs * knn_s
     forward = run.monitor.images / knn_s if run.monitor and run.monitor.images and knn_s > 0 else None
-    fields = dict(epoch=done, epochs=args.epochs, wall_s=wall, left_s=left, stage_s=wall + left, epoch_s=epoch_s,
+    fields = dict(epoch=done, epochs=args.epochs, wall_s=wall, left_s=left, stage_s=wall + left, whole_stage_s=whole,
+                  epoch_s=epoch_s,
                   images_per_s=run.steps_per_epoch * args.batch_size / max(epoch_s, 1e-9),
-                  epoch_end_s=parts["epoch_ends"], knn_s=knn_s, knn_runs_left=knn_left,
+                  epoch_end_s=end_s, knn_s=knn_s, knn_runs_left=knn_left,
                   knn_compile_s=run.monitor.compile_s if run.monitor else 0.0, forward_images_per_s=forward,
                   startup_s=parts["startup"], compiling_s=parts["compiling"])
     with open(os.path.join(args.output_dir, "estimate.json"), "w") as f:
         json.dump(fields, f, indent=1)
     knn = f", a kNN {knn_s:.1f} s ({forward:.0f} images/s)" if forward else ""
     print(f"=> estimate after epoch {done}: an epoch {epoch_s:.2f} s of steps ({fields['images_per_s']:.0f} img/s) "
-          f"and {parts['epoch_ends']:.2f} s at its end{knn}; start-up {parts['startup']:.1f} s, compiling "
+          f"and {end_s:.2f} s at its end{knn}; start-up {parts['startup']:.1f} s, compiling "
           f"{parts['compiling']:.1f} s: this stage {(wall + left) / 60:.1f} min in all, {left / 60:.1f} min left",
           flush=True)
 
