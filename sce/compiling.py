@@ -67,11 +67,11 @@ class Fallback:
             return out
 
 
-def compile_module(module, name, compiles, fallback=True):
+def compile_module(module, name, compiles, fallback=True, **options):
     """nn.Module.compile in place (the state-dict keys stay an eager run's), each compile timed in `compiles` (a Log)
     as `name`; fallback: a failing compiled call is redone eagerly and the module stays eager (Fallback), for a
-    module whose call changes no state (a frozen trunk in eval mode). Returns the module."""
-    module.compile()
+    module whose call changes no state (a frozen trunk in eval mode); options: torch.compile's. Returns the module."""
+    module.compile(**options)
     compiled = compiles.timed(name, module._compiled_call_impl)
     if fallback:
         compiled = Fallback(f"the {name}", compiled, module._call_impl, lambda: revert_to_eager(module))

@@ -276,7 +276,9 @@ def compile_model(model, compiles, blocks=False):
         if blocks and name.endswith("encoder"):
             for layer in ("layer1", "layer2", "layer3", "layer4"):
                 for i, block in enumerate(getattr(module, layer)):
-                    compile_module(block, f"{name}.{layer}.{i}", compiles, fallback=False)
+                    # static: blocks of another shape are other graphs (dynamo's automatic dynamic shapes would
+                    # make the second shape's graph symbolic, which split BN's batch arithmetic cannot trace)
+                    compile_module(block, f"{name}.{layer}.{i}", compiles, fallback=False, dynamic=False)
         elif any(True for _ in module.parameters()):
             compile_module(module, name, compiles, fallback=False)
 

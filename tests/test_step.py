@@ -376,3 +376,33 @@ def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys):
     out = capsys.readouterr().out
     rows = {json.loads(line)["what"] for line in out.splitlines() if line.startswith("{")}
     assert rows == {"train_step", "end_to_end", "supervised_reference", "ideal_asymmetric"}, out[-2000:]
+
+
+def test_blocks_compile_once_a_shape_and_give_the_eager_step(monkeypatch):
+    """compile_model(blocks=True) (the benchmark's --compile-blocks): each residual block compiled apart with static
+    shapes, one graph a block shape and branch (layer1's two blocks share theirs); dynamo's automatic dynamic shapes
+    made the third block's graph symbolic, which Inductor failed to lower through split BN. The eager step's numbers
+    (each pair of steps draws the same shuffle)."""
+    def build():  # split BN, as RECIPES.md's small-dataset runs
+        torch.manual_seed(0)
+        model = MomentumModel(losses.sce_loss, "resnet18", True, [32], 16, "none", queue_size=16, shuffle_bn=True,
+                              bn_splits=2)
+        return Training(model, model, build_optimizer("sgd", model, 0.5, 1e-4))
+    graphs, symbolic, real = [], [], torch.compile
+
+    def backend(gm, example_inputs):  # dynamo's eager backend, each graph counted; a symbolic size noted
+        graphs.append(gm)
+        symbolic.extend(x for x in example_inputs if isinstance(x, torch.SymInt) or torch.is_tensor(x) and any(
+            isinstance(d, torch.SymInt) for d in x.shape))
+        return gm.forward
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda fn=None, *a, **k: real(fn, *a, **dict(k, backend=backend)))
+    compiled, eager = build(), build()
+    compile_model(compiled.model, Log(), blocks=True)
+    for seed in range(2):
+        a, b = [(torch.manual_seed(seed), train_step(t, views(seed), 0.9))[1] for t in (compiled, eager)]
+        assert torch.allclose(a[0], b[0], rtol=1e-5), seed
+    # 7 block shapes x 2 branches (the momentum one under no_grad) and the 2 projectors; no more in the second step
+    assert len(graphs) == 16 and not symbolic
+    after = eager.model.state_dict()
+    assert all(torch.allclose(v, after[k], atol=1e-5) for k, v in compiled.model.state_dict().items())
