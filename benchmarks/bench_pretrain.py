@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Pretraining throughput, side by side in one run: the data loader alone (CPU vs GPU augmentation),
 the training step alone (synthetic device tensors), and both together, all through the code
-main_pretrain.py runs (sce.data.pretrain_batches, sce.engine.Step).
+main_pretrain.py runs (sce.data.pretrain_batches; sce.epoch.one_step: the schedules, sce.engine.Step and the
+device-side sums of each step).
 
     python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
     # the per-image CPU cost
@@ -36,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from photos import write_photos  # noqa: E402
-from sce import cli, compiling, data, losses  # noqa: E402
+from sce import cli, compiling, data, epoch, losses, timing  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import compile_module  # noqa: E402
 from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model  # noqa: E402
@@ -156,13 +157,17 @@ def make_batches(dataset, augment, batches, workers=None, compile=None):
 def build_training():
     """(Training, step function) as main_pretrain.py builds them (sce.builder.build_model and sce.losses.criterion
     of main_pretrain.py's defaults for the method: SCE, tau 0.1, tau_m 0.07, lambda 0.5; --lr 0.5 scaled by the
-    batch): train_step, or its CUDA graph."""
+    batch, its warmup and cosine; the EMA's cosine from 0.996): step(views, _) runs sce.epoch.one_step, what
+    main_pretrain.py runs each step (the schedules, train_step or its CUDA graph, the device-side sums)."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
     flags = argparse.Namespace(**vars(args), loss="sce", method="sce", lambda_=0.5, tau=0.1, tau_m=0.07,
-                               mask_positive=False, pred_hidden_dims=[])
+                               mask_positive=False, pred_hidden_dims=[], lambda_schedule="constant", lambda_end=None,
+                               lambda_warmup_steps=0, lambda_warmup_start=None, warmup_epochs=5, ema_momentum=0.996,
+                               ema_schedule="cosine", epochs=200)
     flags.queue_size = queue
-    model = build_model(flags, losses.criterion(flags), args.bn_splits if args.shuffle_bn else 1).to(device)
+    lam = losses.Lambda(flags, device)
+    model = build_model(flags, losses.criterion(flags, lam), args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer("sgd", model, 0.5 * args.batch_size / 256, 1e-4)
@@ -171,7 +176,24 @@ def build_training():
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     terms = functools.partial(losses.loss_terms, tau=flags.tau, tau_m=flags.tau_m)  # logged every step, as there
     training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
-    return training, build_step(training, device, args.cuda_graph, args.compile)
+    step = build_step(training, device, args.cuda_graph, args.compile)
+    return training, Scheduled(epoch.Run(flags, training, step, None, 100, device, None, None,
+                                         0.5 * args.batch_size / 256, -1, lam, None, timing.Split(COMPILES)))
+
+
+class Scheduled:
+    """step(views, _) as main_pretrain.py's loop runs it, global step after global step (100 an epoch: any number
+    does): sce.epoch.one_step, that is the schedules, the Step (sce.engine) and the device-side sums."""
+
+    def __init__(self, run):
+        self.run, self.steps = run, itertools.count()
+        self.tally = epoch.Tally(device, torch.zeros((), device=device))
+
+    def __call__(self, views, _momentum):
+        epoch.one_step(self.run, next(self.steps), views, self.tally)
+
+    def __getattr__(self, name):  # graphed, compile_failed, ...: the Step's
+        return getattr(self.run.step, name)
 
 
 def bench_references():
@@ -411,8 +433,8 @@ class PreloadedEpochs:
         self.views, self.wait_s = self.batches.views, 0.0
 
     def __iter__(self):
-        for epoch in itertools.count():
-            self.sampler.set_epoch(epoch)
+        for number in itertools.count():
+            self.sampler.set_epoch(number)
             yield from self.batches
 
 

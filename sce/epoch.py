@@ -62,63 +62,86 @@ class Epoch:
     sums: list = None  # when stopped: the epoch's sums so far (finite steps, TERMS, finite losses), for the resume
 
 
+class Tally:
+    """What the steps did, summed on the device (no host sync): per window of progress lines and per epoch, the
+    finite steps and the sums of TERMS over them; the steps whose loss was finite; consecutive non-finite steps.
+    `sums`: the epoch's before a resume within it (Epoch.sums)."""
+
+    def __init__(self, device, nonfinite, sums=None):
+        self.window = torch.zeros(1 + len(TERMS), device=device)
+        self.epoch = torch.zeros_like(self.window)
+        self.finite_losses = torch.zeros((), device=device)  # not only the gradients: the loss itself
+        if sums:
+            self.epoch += torch.tensor(sums[:-1], device=device)
+            self.finite_losses += sums[-1]
+        self.nonfinite = nonfinite.clone()
+
+    def add(self, loss, finite, terms):
+        self.nonfinite = torch.where(finite, torch.zeros_like(self.nonfinite), self.nonfinite + 1)
+        self.finite_losses += torch.isfinite(loss)
+        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name] for name in TERMS[1:]])
+        values = torch.where(finite, values, torch.zeros_like(values))
+        self.window += values
+        self.epoch += values
+
+    def sums(self):
+        """The epoch's sums so far, for a checkpoint within it (Epoch.sums)."""
+        return self.epoch.tolist() + [self.finite_losses.item()]
+
+
+def one_step(run, step, views, tally):
+    """Global step `step` as main_pretrain.py runs it, and benchmarks/bench_pretrain.py times it: the lr (into the
+    optimizer), the EMA momentum and lambda (into the criterion's tensor) of the step, the step itself, its outcome
+    added to `tally`. Returns (lr, momentum, lambda)."""
+    args = run.args
+    lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
+    set_lr(run.training.optimizer, lr)
+    m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
+    lam = run.lam.at(step, run.total_steps)
+    tally.add(*timed_step(run, step, views, m))
+    return lr, m, lam
+
+
 def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     """One epoch from `start_step`, `nonfinite` consecutive non-finite steps before it (a device tensor); `sums`:
     the epoch's sums before start_step (Epoch.sums of the invocation that stopped), so that its line of log.txt
     averages the whole epoch."""
-    args, device = run.args, run.device
+    args = run.args
     if start_step >= run.steps_per_epoch:  # a mid-epoch checkpoint of more data (older ones do not record its size)
         raise UserError(f"the checkpoint stopped at step {start_step} of epoch {epoch + 1}, which now has "
                         f"{run.steps_per_epoch} step(s): resume on the data it ran on, or from an epoch-end checkpoint")
     run.training.ddp_model.train()
-    window = torch.zeros(1 + len(TERMS), device=device)  # finite steps, then the sums of TERMS (no host sync)
-    epoch_sums = torch.zeros_like(window)
-    finite_losses = torch.zeros((), device=device)  # steps of the epoch whose loss (not only gradients) was finite
-    if start_step and sums:
-        epoch_sums += torch.tensor(sums[:-1], device=device)
-        finite_losses += sums[-1]
-    nonfinite = nonfinite.clone()
+    tally = Tally(run.device, nonfinite, sums if start_step else None)
     window_start, window_steps, batches = time.time(), 0, run.batches
     steps_before = run.split.report()[0]["steps"]  # the epoch's steps time: its wall less compiles and captures
     for i, views in enumerate(batches, start=start_step):
         step = epoch * run.steps_per_epoch + i
-        lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
-        set_lr(run.training.optimizer, lr)
-        m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
-        lam = run.lam.at(step, run.total_steps)
-        loss, finite, terms = timed_step(run, step, views, m)
-        nonfinite = torch.where(finite, torch.zeros_like(nonfinite), nonfinite + 1)  # no sync
-        finite_losses += torch.isfinite(loss)
-        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name] for name in TERMS[1:]])
-        values = torch.where(finite, values, torch.zeros_like(values))
-        window += values
-        epoch_sums += values
+        lr, m, lam = one_step(run, step, views, tally)
         window_steps += 1
-
         if (i + 1) % args.print_freq == 0 or i + 1 == run.steps_per_epoch:
-            if int(nonfinite.item()) > args.max_nonfinite_steps:
-                raise UserError(f"{int(nonfinite.item())} consecutive non-finite losses at step {step}: "
+            if int(tally.nonfinite.item()) > args.max_nonfinite_steps:
+                raise UserError(f"{int(tally.nonfinite.item())} consecutive non-finite losses at step {step}: "
                                 f"{likely_cause(args, lr)}; the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            stats = dict(window_means(window, window_steps), lr=lr, momentum=m, **{"lambda": lam},
+            stats = dict(window_means(tally.window, window_steps), lr=lr, momentum=m, **{"lambda": lam},
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
                 log_progress(run, epoch, i, step, stats, elapsed / window_steps)
-            window.zero_()
+            tally.window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
         if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
-            return Epoch(i + 1, None, nonfinite, epoch_sums.tolist() + [finite_losses.item()])
+            return Epoch(i + 1, None, tally.nonfinite, tally.sums())
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
     steps_s = run.split.report()[0]["steps"] - steps_before
-    stats = dict(window_means(epoch_sums, steps), lr=lr, momentum=m, **{"lambda": lam},
+    stats = dict(window_means(tally.epoch, steps), lr=lr, momentum=m, **{"lambda": lam},
                  images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
     # losses, overflowing gradients while it lowers its scale) are left to that flag
-    if stats["skipped_steps"] == steps and not (run.training.scaler and finite_losses.item()):
+    if stats["skipped_steps"] == steps and not (run.training.scaler and tally.finite_losses.item()):
         raise UserError(f"every step of epoch {epoch + 1} ({steps} steps) had a non-finite loss and was skipped, so "
                         f"the weights did not move: {likely_cause(args, lr)}; the last good checkpoint is kept")
-    return Epoch(None, stats, nonfinite)
+    return Epoch(None, stats, tally.nonfinite)
 
 
 def timed_step(run, step, views, momentum):

@@ -366,9 +366,13 @@ def test_the_evaluations_compile_their_trunk_once(pretrained, tmp_path, monkeypa
     assert len(graphs) - before == 1
 
 
-def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys):
-    """benchmarks/bench_pretrain.py times sce.engine's step (the one main_pretrain.py runs) and prints a JSON row a
-    measurement: on CPU, preloaded, the step and end to end beside its two reference models."""
+def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys, monkeypatch):
+    """benchmarks/bench_pretrain.py times what main_pretrain.py's loop runs each step (sce.epoch.one_step: the
+    schedules, sce.engine's Step, the sums), global step after global step, and prints a JSON row a measurement:
+    on CPU, preloaded, the step and end to end beside its two reference models."""
+    from sce import epoch
+    steps, one_step = [], epoch.one_step
+    monkeypatch.setattr(epoch, "one_step", lambda run, step, *a: steps.append(step) or one_step(run, step, *a))
     assert exit_message("benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
                         "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8",
                         "--proj-hidden-dims", "16", "--steps", "1", "--warmup", "1", "--preload", "--shuffle-bn",
@@ -376,6 +380,7 @@ def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys):
     out = capsys.readouterr().out
     rows = {json.loads(line)["what"] for line in out.splitlines() if line.startswith("{")}
     assert rows == {"train_step", "end_to_end", "supervised_reference", "ideal_asymmetric"}, out[-2000:]
+    assert len(steps) >= 6 and steps == list(range(len(steps)))  # train_step's, the host's, end to end's
 
 
 def test_blocks_compile_once_a_shape_and_give_the_eager_step(monkeypatch):
