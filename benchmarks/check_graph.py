@@ -102,7 +102,7 @@ def probe_run(graphed, poison=None, compiled=False):
         target = torch.randint(0, 10, (len(images),), generator=g).to(device)
         set_lr(optimizer, 3.0 / (i + 1))
         losses_.append(float(step(images.to(device), target, i).detach()))
-    if graphed and step.replay is None:
+    if graphed and not step.graphed:
         sys.exit("error: the probe's step was not captured as a CUDA graph (see the warning above)")
     return losses_, torch.cat([head.weight.flatten(), head.bias]), sums.clone(), step.first_bad.clone()
 

@@ -94,6 +94,50 @@ def restore_unless_finite(tensors, backup, finite):
     torch._foreach_copy_(tensors, list(kept.split([t.numel() for t in tensors])))
 
 
+class Graphed:
+    """fn(*inputs) (device tensors) replayed from a CUDA graph: the first `warmup` calls and those `whole(*inputs)`
+    refuses run eagerly (on the side stream of `graphs`, as capture requires); the next call captures fn on static
+    copies of its inputs (`capture_s` seconds, at call `captured_at`); from then on a call whose inputs have the
+    captured shapes, dtypes and strides copies them in and replays: one launch instead of fn's dozens or hundreds,
+    what a small model on small images is bound by. Inputs of another layout run eagerly. The outputs are the
+    graph's static tensors, overwritten by the next replay. A failed capture warns once (naming `what`;
+    `capture_failed` says why) and every later call runs eagerly. graphs: CudaGraphs, or the tests' stand-in."""
+
+    def __init__(self, fn, graphs, what, warmup=GRAPH_WARMUP, whole=None):
+        self.fn, self.graphs, self.what, self.warmup, self.whole = fn, graphs, what, warmup, whole
+        self.calls, self.replay, self.outputs, self.static = 0, None, None, None
+        self.capture_failed = self.capture_s = self.captured_at = None
+
+    @property
+    def graphed(self):
+        """Whether calls replay a captured graph now."""
+        return self.replay is not None
+
+    def __call__(self, *inputs):
+        self.calls += 1
+        if (self.replay is None and self.capture_failed is None and self.calls > self.warmup
+                and (self.whole is None or self.whole(*inputs))):
+            self._capture(inputs)
+        if self.replay is None or len(inputs) != len(self.static) or any(
+                s.shape != x.shape or s.dtype != x.dtype or s.stride() != x.stride()
+                for s, x in zip(self.static, inputs)):
+            return self.graphs.eager(lambda: self.fn(*inputs))
+        for static, x in zip(self.static, inputs):
+            static.copy_(x)
+        self.replay()
+        return self.outputs()
+
+    def _capture(self, inputs):
+        start, self.static = time.time(), [x.clone() for x in inputs]
+        try:
+            self.replay, self.outputs = self.graphs.capture(lambda: self.fn(*self.static))
+        except Exception as e:  # noqa: BLE001: whatever stopped the capture, the eager calls still work
+            self.replay, self.capture_failed = None, error_line(e)
+            warnings.warn(f"CUDA graph capture of {self.what} failed ({self.capture_failed}): running it eagerly")
+            return
+        self.capture_s, self.captured_at = time.time() - start, self.calls
+
+
 class Step:
     """The training step of main_pretrain.py and the benchmark: step(views, momentum) -> (loss, finite, terms).
 
@@ -102,22 +146,21 @@ class Step:
     are copied (to host memory) before each call: if a call raises, they are put back, the modules turn eager and
     the same call runs again (sce.compiling.Fallback: one warning; `compile_failed` says why, `compiled` is False
     from then on). An error of the eager call is not the compiler's: it propagates.
-    graphs (the capture mechanism: CudaGraphs; the tests use a CPU stand-in): the first `warmup` calls are eager
-    steps (on a side stream, as capture requires); the next captures the step on static copies of its inputs
-    (`capture_s` seconds, at call `captured_at`), then replays it: one launch for the whole step instead of
-    hundreds, what a small model on small images is bound by. From then on each call copies the views in and
-    replays (`graphed`); what changes from step to step reaches the graph through device tensors filled in
-    place (the lr: lr_as_tensors then set_lr; the EMA momentum, filled here; lambda, the criterion's tensor,
-    filled by the caller); the outputs are the graph's static tensors, overwritten by the next call. A failed
-    capture warns once (`capture_failed`) and runs eager steps from then on."""
+    graphs (the capture mechanism: CudaGraphs; the tests use a CPU stand-in): the step replayed from a CUDA graph
+    after `warmup` eager steps (Graphed: `graphed`, `capture_s`, `captured_at`, `capture_failed`). What changes
+    from step to step reaches the graph through device tensors: the views and the EMA momentum (a device scalar,
+    eager steps too, so that both compute the same EMA) copied in, the lr filled in place (lr_as_tensors then
+    set_lr), lambda the criterion's tensor filled by the caller; the outputs are the graph's static tensors,
+    overwritten by the next call."""
     WATCH = 3
 
     def __init__(self, training, compiled=False, graphs=None, warmup=GRAPH_WARMUP):
-        self.t, self.graphs, self.warmup = training, graphs, warmup
-        self.calls, self.watch, self.saved = 0, self.WATCH if compiled else 0, None
+        self.t, self.calls = training, 0
+        self.watch, self.saved = self.WATCH if compiled else 0, None
         self.fallback = Fallback("the training step", self._run, self._run, self._undo) if compiled else None
-        self.capture_failed = self.capture_s = self.captured_at = None
-        self.replay = self.outputs = self.static_views = self.momentum = None
+        self.graph = Graphed(lambda *x: train_step(training, list(x[:-1]), x[-1]), graphs, "the training step",
+                             warmup) if graphs else None
+        self.momentum = None  # the graph's momentum input, a device scalar
         if graphs:
             training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs)
 
@@ -131,12 +174,25 @@ class Step:
 
     def describe(self):
         """What the step is, for the start-up line."""
-        return (f"CUDA graph after {self.warmup} steps" if self.graphs else "compiled" if self.compiled else "eager")
+        return (f"CUDA graph after {self.graph.warmup} steps" if self.graph else "compiled" if self.compiled
+                else "eager")
 
     @property
     def graphed(self):
         """Whether the step replays a captured graph now."""
-        return self.replay is not None
+        return self.graph is not None and self.graph.graphed
+
+    @property
+    def capture_s(self):
+        return self.graph.capture_s if self.graph else None
+
+    @property
+    def captured_at(self):
+        return self.graph.captured_at if self.graph else None
+
+    @property
+    def capture_failed(self):
+        return self.graph.capture_failed if self.graph else None
 
     def __call__(self, views, momentum):
         self.calls += 1
@@ -154,34 +210,12 @@ class Step:
         revert_to_eager(self.t.model)
 
     def _run(self, views, momentum):
-        if self.graphs is None:
+        if self.graph is None:
             return train_step(self.t, views, momentum)
-        if self.replay is None and self.capture_failed is None and self.calls > self.warmup:
-            self._capture(views)
-        fits = self.replay is not None and len(views) == len(self.static_views) and all(
-            s.shape == v.shape and s.dtype == v.dtype and s.stride() == v.stride()
-            for s, v in zip(self.static_views, views))
-        if not fits:  # before the capture, or views of another shape: an eager step
-            return self.graphs.eager(lambda: train_step(self.t, views, momentum))
-        for static, view in zip(self.static_views, views):
-            static.copy_(view)
+        if self.momentum is None:
+            self.momentum = torch.zeros((), device=views[0].device)
         self.momentum.fill_(momentum)
-        self.replay()
-        return self.outputs()
-
-    def _capture(self, views):
-        start = time.time()
-        self.static_views = [v.clone() for v in views]
-        self.momentum = torch.zeros((), device=views[0].device)
-        try:
-            self.replay, self.outputs = self.graphs.capture(
-                lambda: train_step(self.t, self.static_views, self.momentum))
-        except Exception as e:  # noqa: BLE001: whatever stopped the capture, the eager step still works
-            self.replay, self.capture_failed = None, error_line(e)
-            warnings.warn(f"CUDA graph capture of the training step failed ({self.capture_failed}): running it "
-                          "eagerly")
-            return
-        self.capture_s, self.captured_at = time.time() - start, self.calls
+        return self.graph(*views, self.momentum)
 
     def _save(self):
         t, cpu = self.t, lambda v: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v

@@ -147,9 +147,9 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
 def timed_step(run, step, views, momentum):
     """run.step(views, momentum); a call that compiled (or captured the CUDA graph) is compiling's time, not the
     steps', and the first of this invocation says what it cost."""
-    graphs, logged, started = graphs_compiled(), run.split.compiles.total(), time.time()
+    graphs, logged, started, graphed = graphs_compiled(), run.split.compiles.total(), time.time(), run.step.graphed
     out = run.step(views, momentum)
-    captured = run.step.captured_at is not None and run.step.captured_at == run.step.calls
+    captured = run.step.graphed and not graphed
     if graphs_compiled() != graphs or captured:  # the Log holds the forwards' compiles; the rest is the backward's
         run.split.add("compiling", time.time() - started - (run.split.compiles.total() - logged))
     if not du.is_main():

@@ -7,8 +7,6 @@ import argparse
 import dataclasses
 import math
 import os
-import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +14,11 @@ import torch.nn.functional as F
 from sce import UserError
 from sce import distributed as du
 from sce.checkpoint import Writer, link_atomic
-from sce.compiling import error_line
-from sce.engine import GRAPH_WARMUP, CudaGraphs, lr_as_tensors
+from sce.engine import GRAPH_WARMUP, CudaGraphs, Graphed, lr_as_tensors
 from sce.optim import cosine_lr, set_lr
 from sce.preemption import Preemption
 from sce.timing import Split
+
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
@@ -103,38 +101,37 @@ class Step:
     """The head's step on a batch: the cross-entropy of the head on the frozen trunk's features, its backward and the
     optimizer's step, with the bookkeeping on the device (no host sync): `sums`, this rank's (loss sum, images) of
     the epoch, is added to, and `first_bad` keeps (step, loss) of the epoch's first non-finite loss.
-    graphs (sce.engine.CudaGraphs, or the tests' CPU stand-in; one process without GradScaler): the first `warmup`
-    steps run eagerly on a side stream, the next is captured on static copies of its batch, and the batches of that
-    size replay it: one launch where the eager step makes dozens from Python (on an H200 the eager probe waited on
-    the host: ~64,000 images/s where the same trunk extracts features at ~145,000). The lr reaches the graph as a
-    device tensor (lr_as_tensors, filled by set_lr); a batch of another size (an epoch's last) runs eagerly. A
-    failed capture warns once (`capture_failed`) and the steps run eagerly."""
+    graphs (sce.engine.CudaGraphs, or the tests' CPU stand-in; one process without GradScaler): replayed from a CUDA
+    graph (sce.engine.Graphed) captured on the first whole batch after `warmup` eager steps: one launch where the
+    eager step makes dozens from Python (on an H200 the eager probe waited on the host: ~64,000 images/s where the
+    same trunk extracts features at ~145,000). The lr reaches the graph as a device tensor (lr_as_tensors, filled
+    by set_lr), the step's index through `index`; a batch of another size (an epoch's last) runs eagerly."""
 
     def __init__(self, probe, model, sums, graphs=None, warmup=GRAPH_WARMUP):
-        self.probe, self.model, self.sums, self.graphs, self.warmup = probe, model, sums, graphs, warmup
+        self.probe, self.model, self.sums = probe, model, sums
         self.first_bad = torch.full((2,), -1.0, device=sums.device)
         self.index = torch.zeros((), device=sums.device)  # the step's index in its epoch, for first_bad
-        self.calls, self.replay, self.static, self.capture_failed, self.capture_s = 0, None, None, None, None
+        self.graph = Graphed(self._step, graphs, "the probe's step", warmup,
+                             whole=lambda images, target: len(images) == probe.per_rank) if graphs else None
         if graphs:
             lr_as_tensors(model.optimizer, sums.device)
+
+    @property
+    def graphed(self):
+        return self.graph is not None and self.graph.graphed
 
     def __call__(self, images, target, i):
         """The step on (images, target), step `i` of its epoch; returns its loss (a graph's: overwritten by the
         next step)."""
-        self.calls += 1
         self.index.fill_(i)
-        if self.graphs is None:
+        if self.graph is None:
             return self._step(images, target)
-        if self.replay is None and self.capture_failed is None and self.calls > self.warmup \
-                and len(images) == self.probe.per_rank:  # a whole batch: an epoch's last may be smaller
-            self._capture(images, target, i)
-        if self.replay is None or any(s.shape != x.shape or s.dtype != x.dtype or s.stride() != x.stride()
-                                      for s, x in zip(self.static, (images, target))):
-            return self.graphs.eager(lambda: self._step(images, target))
-        self.static[0].copy_(images)
-        self.static[1].copy_(target)
-        self.replay()
-        return self.outputs()
+        graphed = self.graph.graphed
+        loss = self.graph(images, target)
+        if self.graph.graphed and not graphed and du.is_main():
+            print(f"=> the probe's step runs as a CUDA graph from step {i + 1} of the epoch on (capture "
+                  f"{self.graph.capture_s:.2f} s)", flush=True)
+        return loss
 
     def _step(self, images, target):
         probe, model = self.probe, self.model
@@ -149,19 +146,6 @@ class Step:
         n = torch.full((), len(images), dtype=torch.float64, device=images.device)
         self.sums += torch.stack([loss.detach().double() * n, n])
         return loss
-
-    def _capture(self, images, target, i):
-        start, self.static = time.time(), (images.clone(), target.clone())
-        try:
-            self.replay, self.outputs = self.graphs.capture(lambda: self._step(*self.static))
-        except Exception as e:  # noqa: BLE001: whatever stopped the capture, the eager step still works
-            self.replay, self.capture_failed = None, error_line(e)
-            warnings.warn(f"CUDA graph capture of the probe's step failed ({self.capture_failed}): running it eagerly")
-            return
-        self.capture_s = time.time() - start
-        if du.is_main():
-            print(f"=> the probe's step runs as a CUDA graph from step {i + 1} of the epoch on (capture "
-                  f"{self.capture_s:.2f} s)", flush=True)
 
 
 def graphs_for(args, device, world):
