@@ -26,7 +26,7 @@ from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from sce import UserError, checkpoint  # noqa: E402
+from sce import UserError, alive, checkpoint  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--kills", type=int, default=6, help="interruptions before the run may finish (default: 6)")
@@ -179,7 +179,7 @@ def main():
                 code = proc.wait(120)
             except subprocess.TimeoutExpired:
                 sys.exit(f"error: the run did not stop within 120 s after {mode}: see {log_path}")
-            while any(checkpoint.alive(p) for p in pids):
+            while any(alive(p) for p in pids):
                 if time.time() - t0 > 120:
                     sys.exit(f"error: ranks still alive 120 s after {mode}: see {log_path}")
                 time.sleep(0.05)

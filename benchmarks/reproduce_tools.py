@@ -26,7 +26,7 @@ from importlib.metadata import version
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
-from sce import UserError, layouts, timing  # noqa: E402  (no torch)
+from sce import UserError, alive, layouts, timing  # noqa: E402  (no torch)
 
 # the paper's baselines table (Sec. 4.2), linear top-1: SCE, and the authors' reproductions of ReSSL and MoCo v2
 PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
@@ -200,25 +200,10 @@ def show(log, pid, start, out, env_file, method, linear_flags, methods):
                     row_estimate(out, env_file, method, linear_flags, methods)
             elif line:
                 pending += line  # a line being written
-            elif running(int(pid)):
+            elif alive(int(pid)):
                 time.sleep(0.2)
             else:
                 return
-
-
-def running(pid):
-    """Whether process `pid` runs (one that ended but is not reaped yet, a zombie, has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def row_estimate(out, env_file, method, linear_flags, methods):

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from sce import UserError
+from sce import UserError, alive
 from sce.builder import build_trunk
 from sce.compiling import error_line
 
@@ -75,23 +75,6 @@ def refuse_fewer_epochs(path, epoch, step_in_epoch, epochs):
     if begun > epochs:
         raise UserError(f"{path} is at epoch {begun}, --epochs {epochs} is below it: pass --epochs {begun} or more "
                         "to continue it, or another --output-dir to start afresh")
-
-
-def alive(pid):
-    """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended)."""
-    if os.path.isdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-    try:  # no /proc: whether the process exists
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def save(state, output_dir, numbered=False, keep=0):

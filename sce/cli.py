@@ -14,7 +14,7 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, checkpoint, timing
+from sce import UserError, alive, timing
 from sce.builder import ARCHS
 from sce.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_during_startup
 
@@ -240,7 +240,7 @@ def stop_with_parent():
     parent = os.getppid()
 
     def watch():
-        while os.getppid() == parent and checkpoint.alive(int(watched)):
+        while os.getppid() == parent and alive(int(watched)):
             time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=watch, daemon=True, name="stop-with-parent").start()

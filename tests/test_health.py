@@ -15,7 +15,7 @@ import torch
 
 from conftest import REPO, TINY, assert_trained, fake_compile, load, nan_losses, no_triton, pretrain, write_imagefolder
 import main_pretrain
-from sce import UserError, checkpoint
+from sce import UserError, alive, checkpoint
 from sce.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
@@ -202,7 +202,7 @@ def test_a_crash_with_loader_workers_exits_at_once(small, tmp_path, where, code)
     except subprocess.TimeoutExpired:
         returncode = None
     finally:
-        left = [pid for pid in [proc.pid] + (failed[0][1] if failed else []) if checkpoint.alive(pid)]
+        left = [pid for pid in [proc.pid] + (failed[0][1] if failed else []) if alive(pid)]
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         proc.wait()

@@ -10,7 +10,6 @@ Every route's `batches` yields the same batch: (normalised images (N, 3, size, s
 the device. The linear probe's random crops and flips come from sce.data.views.probe_crops, a function of
 (seed, epoch, index): the same on every route, for any --workers, after a resume. Every image of a split is
 read: an unreadable one stops the evaluation with one line naming it."""
-import copy
 import dataclasses
 import os
 
@@ -26,8 +25,8 @@ from sce.data.files import build_dataset, fingerprint
 from sce.data.images import Encoded, UnreadableImage
 from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
-from sce.data.samplers import Shard
-from sce.data.views import box, probe_crops
+from sce.data.samplers import Shard, epoch_order
+from sce.data.views import probe_crops
 from sce.layouts import check_classes
 from sce.preemption import ignore_stop_signals
 
@@ -144,7 +143,7 @@ class Samples(torch.utils.data.Dataset):
             img = F.resize(img, g.resize, MODES[g.mode])
         if g.random is None:
             return F.center_crop(img, g.size)
-        (top, left, h, w), flip = box(self.rows(epoch, [index], img.height, img.width)[0])
+        (top, left, h, w), flip = ops.box(self.rows(epoch, [index], img.height, img.width)[0])
         img = (F.crop(img, top, left, h, w) if g.random == "padded" else
                F.resized_crop(img, top, left, h, w, [g.size, g.size], MODES[g.mode], antialias=True))
         return F.hflip(img) if flip else img
@@ -187,14 +186,6 @@ class EvalSplit:
         return kind(self, batch_size, sampler)
 
 
-def sampler_order(sampler, epoch):
-    """The image indices of `sampler`'s keys in `epoch` from its first, without changing the sampler."""
-    sampler = copy.copy(sampler)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    return torch.tensor([i for _, i in sampler], dtype=torch.long)
-
-
 class PreloadedBatches:
     """A preloaded split's batches, cut on the device: each epoch's order and the probe's crops of every image moved
     there once (sce.data.assembly.Preloaded), no host work nor sync a step."""
@@ -209,9 +200,9 @@ class PreloadedBatches:
         """The order of `epoch` and, for the probe's random geometry, every image's crop and flip."""
         images, g = self.split.images.images, self.split.geometry
         if not g.random:
-            return sampler_order(self.sampler, epoch), []
+            return epoch_order(self.sampler, epoch), []
         n, (height, width) = len(images), images.shape[-2:]
-        return sampler_order(self.sampler, epoch), [probe_crops(g.padding, g.size, self.split.seed, epoch,
+        return epoch_order(self.sampler, epoch), [probe_crops(g.padding, g.size, self.split.seed, epoch,
                                                                 np.arange(n), [height] * n, [width] * n)]
 
     def cut(self, index, rows):

@@ -82,10 +82,16 @@ def resized_crops(images, rows, size):
     return resample(images.float(), rows, cols).round_().clamp_(0, 255)
 
 
+def box(row):
+    """(top, left, height, width) ints and the flip of one packed row (sce.data.views)."""
+    top, left, h, w, flip = (int(v) for v in row[:5].tolist())
+    return (top, left, h, w), bool(flip)
+
+
 def window_crop(images, row, size):
     """resized_crops of one image (1, C, H, W) whose window, in its row on the host, lies inside it (else None):
     torch's interpolate of the window, uint8 in and out for a uint8 image on the CPU, else float rounded."""
-    top, left, height, width, flip = (int(v) for v in row[:5].tolist())
+    (top, left, height, width), flip = box(row)
     if top < 0 or left < 0 or top + height > images.shape[-2] or left + width > images.shape[-1]:
         return None
     window = images[:, :, top:top + height, left:left + width]

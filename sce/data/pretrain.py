@@ -13,7 +13,6 @@ from (seed, epoch, index, view), the seed the sampler's, so the routes give the 
 photometric parameters, and the tensor routes the same pixels within a level (the workers crop uint8 images in
 uint8, the device crops decoded ones in float; the PIL resize of --augment cpu differs by a level or two). An unreadable image is replaced by the next readable one, named once, and
 counted against max_bad."""
-import copy
 import functools
 import os
 import time
@@ -27,6 +26,7 @@ from sce.data.assembly import Preloaded, pack, unpack
 from sce.data.images import Encoded, decode_rgb_tensor, image_path, skip_unreadable
 from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
+from sce.data.samplers import epoch_order
 from sce.data.views import Photometric, draw, draw_views, pil_view, view_specs
 from sce.preemption import ignore_stop_signals
 
@@ -228,13 +228,6 @@ class PreloadRoute:
         rows = [draw(spec, self.sampler.seed, epoch, indices, v, [height] * len(indices), [width] * len(indices))
                 .to(self.images.device) for v, spec in enumerate(self.views.specs)]
         return self.views.preloaded(images, rows, eager=True)
-
-
-def epoch_order(sampler, epoch):
-    """This rank's whole order of `epoch` by `sampler`, without changing the sampler (which is in another epoch)."""
-    sampler = copy.copy(sampler)
-    sampler.set_epoch(epoch)
-    return sampler.indices()
 
 
 class LoaderRoute:

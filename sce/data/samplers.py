@@ -1,5 +1,6 @@
 """Which images each rank reads, and in which order: pretraining's resumable sampler, the linear probe's shuffled
 shards, and the evaluations' shards (every image on exactly one rank)."""
+import copy
 import itertools
 import math
 
@@ -97,3 +98,12 @@ class Shard(Sampler):
 
     def __len__(self):
         return len(self.indices)
+
+
+def epoch_order(sampler, epoch):
+    """This rank's image indices of `epoch` from its first step (a tensor), without changing `sampler`, which may
+    be in another epoch."""
+    sampler = copy.copy(sampler)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return torch.tensor([i for _, i in sampler], dtype=torch.long)

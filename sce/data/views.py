@@ -17,7 +17,7 @@ import torch
 import torchvision.transforms.functional as F
 
 from sce import UserError
-from sce.data.ops import BLUR_SIGMA, MEAN, STD, blur_kernel_size
+from sce.data.ops import BLUR_SIGMA, MEAN, STD, blur_kernel_size, box
 
 # ImageNet statistics for every dataset (the paper gives no per-dataset ones): any checkpoint can be evaluated
 # or transferred without knowing its data. Table 2: p(colour jitter), jitter (brightness, contrast, saturation,
@@ -187,12 +187,6 @@ class Photometric:
 
     def as_args(self):
         return self.jitter, self.order, self.factors, self.gray, self.sigma, self.solarize
-
-
-def box(row):
-    """(top, left, height, width) ints and the flip of one packed row."""
-    top, left, h, w, flip = (int(v) for v in row[:5].tolist())
-    return (top, left, h, w), bool(flip)
 
 
 # ---------------------------------------------------------------- --augment cpu: PIL
