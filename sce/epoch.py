@@ -137,8 +137,9 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     stats = dict(window_means(tally.epoch, steps), lr=lr, momentum=m, **{"lambda": lam},
                  images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
-    # losses, overflowing gradients while it lowers its scale) are left to that flag
-    if stats["skipped_steps"] == steps and not (run.training.scaler and tally.finite_losses.item()):
+    # losses on some rank, overflowing gradients while it lowers its scale) are left to that flag
+    all_skipped = stats["skipped_steps"] == steps  # on every rank alike (their averaged gradients decide)
+    if all_skipped and not (run.training.scaler and du.all_reduce_sum(tally.finite_losses).item()):
         raise UserError(f"every step of epoch {epoch + 1} ({steps} steps) had a non-finite loss and was skipped, so "
                         f"the weights did not move: {likely_cause(args, lr)}; the last good checkpoint is kept")
     return Epoch(None, stats, tally.nonfinite)

@@ -8,6 +8,7 @@ merged, so every rank ends with the scores one process would compute. Peak devic
 its bank shard (N_train / ranks x D), all queries (N_val x D), one chunk of similarities
 (chunk x N_train / ranks) and the gathered candidates (ranks x chunk x k).
 """
+import functools
 import time
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from sce import UserError
 from sce import distributed as du
-from sce.compiling import Fallback, Log, revert_to_eager
+from sce.compiling import Fallback, Log
 from sce.progress import Progress
 
 
@@ -29,11 +30,11 @@ def padded(trunk, images, batch_size=None):
 
 
 @torch.no_grad()
-def extract_features(trunk, batches, channels_last=False, normalize=True, name=None, pad_to=None):
+def extract_features(trunk, batches, channels_last=False, normalize=True, name=None, pad_to=None, forward=None):
     """Trunk features (l2-normalised unless normalize=False) and labels of a split's batches (of
     sce.data.EvalSplit.batches: images and targets on the device), in their order, with the trunk in eval
     mode. `name`: print progress on rank 0. pad_to: every smaller batch is padded to this many images (a compiled
-    trunk sees one shape: no second compile)."""
+    trunk sees one shape: no second compile). forward: how to call the trunk (default: trunk(images))."""
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
@@ -41,7 +42,7 @@ def extract_features(trunk, batches, channels_last=False, normalize=True, name=N
     for images, targets in batches:
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
-        out = padded(trunk, images, pad_to).float()
+        out = padded(forward or trunk, images, pad_to).float()
         feats.append(F.normalize(out, dim=1) if normalize else out)
         labels.append(targets)
         progress.update(len(images))
@@ -96,10 +97,10 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
 
 
 def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0,
-                 pad=False):
+                 pad=False, forward=None):
     """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
     measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each. pad: every batch of
-    both splits padded to one size (extract_features), for a compiled trunk."""
+    both splits padded to one size (extract_features), for a compiled trunk; forward: extract_features'."""
     if max_train and max_train < len(train_set):
         train_set = train_set.subset(torch.randperm(len(train_set),
                                                     generator=torch.Generator().manual_seed(seed))[:max_train])
@@ -107,9 +108,10 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_si
         raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
     pad_to = min(batch_size, max(len(train_set), len(val_set))) if pad else None
-    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad_to=pad_to)
+    bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad_to=pad_to,
+                                         forward=forward)
     queries, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size),
-                                                                name="val features", pad_to=pad_to))
+                                                                name="val features", pad_to=pad_to, forward=forward))
     return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
 
 
@@ -118,31 +120,26 @@ class Monitor:
     `sets` (train EvalSplit, val EvalSplit, number of classes), every rank its share. BN running statistics are
     rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's. compiled: the encoder is
     compiled, and compiles once more, in eval mode, at the first call (the last batch padded: no other shape); a
-    failure there costs the monitor nothing (sce.compiling.Fallback: the encoder runs eagerly). Of the last call:
+    failure there costs the monitor nothing: its calls of the encoder run eagerly from then on (sce.compiling.Fallback
+    around each call, not around the collectives; the training's compiled encoder stays). Of the last call:
     `compile_s`, `images` (how many it read)."""
 
     def __init__(self, sets, k, t, max_train=None, seed=0, compiled=False, compiles=None):
-        self.sets, self.k, self.t, self.max_train, self.seed = sets, k, t, max_train, seed
+        self.sets, self.k, self.t, self.max_train, self.seed, self.compiled = sets, k, t, max_train, seed, compiled
         self.compiles = compiles or Log()
         self.images = self.compile_s = None
-        self.fallback = Fallback("the kNN monitor's encoder", lambda model: self.accuracy(model, True),
-                                 lambda model: self.accuracy(model, False),
-                                 lambda: revert_to_eager(self.model.encoder)) if compiled else None
-        self.model = None  # the model of the call under way (the fallback's undo turns its encoder eager)
-
-    def accuracy(self, model, pad):
-        before = len(self.compiles.seconds)
-        result = knn_accuracy(model.encoder, *self.sets, self.k, self.t, max_train=self.max_train, seed=self.seed,
-                              pad=pad)
-        if len(self.compiles.seconds) > before and du.is_main():  # the encoder in eval mode
-            print(f"=> the kNN monitor compiled the encoder: {self.compiles.summary(before)}", flush=True)
-        return result
+        self.fallback = Fallback("the kNN monitor's encoder", lambda encoder, x: encoder(x),
+                                 lambda encoder, x: encoder._call_impl(x)) if compiled else None
 
     def __call__(self, model):
-        logged, self.model = self.compiles.total(), model
+        logged, before = self.compiles.total(), len(self.compiles.seconds)
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)
-        result = self.fallback(model) if self.fallback else self.accuracy(model, False)
+        forward = functools.partial(self.fallback, model.encoder) if self.fallback else None
+        result = knn_accuracy(model.encoder, *self.sets, self.k, self.t, max_train=self.max_train, seed=self.seed,
+                              pad=self.compiled, forward=forward)
+        if len(self.compiles.seconds) > before and du.is_main():  # the encoder in eval mode
+            print(f"=> the kNN monitor compiled the encoder: {self.compiles.summary(before)}", flush=True)
         train = min(len(self.sets[0]), self.max_train or len(self.sets[0]))
         self.images, self.compile_s = train + len(self.sets[1]), self.compiles.total() - logged
         return result

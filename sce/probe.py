@@ -217,9 +217,11 @@ def state(run, epoch, step_in_epoch, epoch_sums, best, acc):
 
 
 def stop_if_nonfinite(first_bad, epoch):
-    """Stops the run at the first non-finite loss, noted on the device as (step, loss)."""
-    step, loss = first_bad.tolist()
-    if step >= 0:
+    """Stops the run at the first non-finite loss of any rank, each noted on its device as (step, loss): every rank
+    stops here, not only the one whose loss it was (the others would wait in their next collective)."""
+    bad = [(step, loss) for step, loss in du.all_gather(first_bad[None]).tolist() if step >= 0]
+    if bad:
+        step, loss = min(bad)
         raise UserError(f"loss is {loss} at epoch {epoch + 1} step {int(step) + 1}: lower --lr")
 
 

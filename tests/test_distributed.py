@@ -340,3 +340,31 @@ def test_torchrun_two_processes(pretrained, labelled, tmp_path):
     assert proc.stdout.count("Epoch 1/1:") == 1  # only rank 0 reports
     assert load(str(tmp_path / "checkpoint_last.pth"))["epoch"] == 1
     assert same_trunk(pretrained, str(tmp_path / "checkpoint_last.pth"))
+
+
+def _probe_rank(rank, port, said):
+    """Rank `rank` of two (gloo): the probe's check of non-finite losses, rank 1 alone having noted one (at step 4)."""
+    import torch.distributed as dist
+    from sce import UserError
+    from sce.probe import stop_if_nonfinite
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        stop_if_nonfinite(torch.tensor([3.0, float("nan")] if rank else [-1.0, -1.0]), 0)
+        said.put((rank, None))
+    except UserError as e:
+        said.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_a_nonfinite_probe_loss_on_one_rank_stops_every_rank():
+    """Alone, the rank of the loss would stop and the others wait in their next collective until --dist-timeout."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    said, port = context.Queue(), free_port()
+    ranks = [context.Process(target=_probe_rank, args=(r, port, said)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    got = dict(said.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(60)
+    assert got == {r: "loss is nan at epoch 1 step 4: lower --lr" for r in range(2)}

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torchvision
 
 from conftest import REPO, TINY, assert_trained, fake_compile, load, nan_losses, no_triton, pretrain, write_imagefolder
 import main_pretrain
@@ -137,8 +138,12 @@ def test_a_failed_compile_trains_eagerly_with_one_warning(small, tmp_path, monke
 
 def test_a_failed_compile_of_the_knn_monitor_runs_it_eagerly(small, tmp_path, monkeypatch):
     """The compiled encoder compiles again for the kNN monitor (eval mode): a failure there only costs
-    one warning; the monitor runs eagerly and the run goes on."""
+    one warning; the monitor runs eagerly from then on, and the training's encoder stays compiled."""
+    calls = []
+
     def failing_in_eval(module, *args, **kwargs):
+        if isinstance(module, torchvision.models.ResNet) and torch.is_grad_enabled() or not module.training:
+            calls.append(module.training)  # the online encoder's calls: training, or the monitor's
         if not module.training:
             raise RuntimeError("Triton Error: out of resources")
         return module._call_impl(*args, **kwargs)
@@ -146,8 +151,10 @@ def test_a_failed_compile_of_the_knn_monitor_runs_it_eagerly(small, tmp_path, mo
     knn = write_imagefolder(tmp_path / "knn", num_classes=2, per_class=4, size=20)
     with pytest.warns(UserWarning, match=r"torch.compile of the kNN monitor's encoder failed \(Triton Error: out of "
                                          r"resources\): running it eagerly"):
-        pretrain(small, tmp_path / "out", "--epochs", 1, "--compile", "--knn-data", knn, "--knn-k", "3")
-    assert "knn_top1" in json.loads(open(tmp_path / "out" / "log.txt").read().splitlines()[-1])
+        pretrain(small, tmp_path / "out", "--epochs", 2, "--compile", "--knn-data", knn, "--knn-k", "3",
+                 "--knn-every", "1")
+    assert all("knn_top1" in json.loads(line) for line in open(tmp_path / "out" / "log.txt").read().splitlines())
+    assert calls.count(False) == 1 and True in calls[calls.index(False):]  # epoch 2 trains the compiled encoder
 
 
 CRASH = """
