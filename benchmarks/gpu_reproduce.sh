@@ -3,7 +3,8 @@
 # every 2 s, and what matters copied to $OUT (the device tool brings back at most 8 files: five, and the trunk of
 # the first finished method in three parts). Run it again at once with the time left: reproduce.sh continues where
 # the limit stopped it (runs/ stays while the machine is held).
-#   bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]    (METHODS: default "sce moco"; OUT: default $OUT, else runs/gpu_out)
+#   bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]    (METHODS: default "sce moco"; OUT: default $OUT, else runs/gpu_out;
+#                                                     RUNS: reproduce.sh's OUT_DIR, default runs/repro)
 # The data: data/cifar10/{train,val}, or unpacked here from data/cifar10-jpeg.tar.gz (carried: 20 MB).
 set -u
 LIMIT=${1:?usage: bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]}
@@ -11,7 +12,7 @@ DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
 cd "$(dirname "$0")/.."
 mkdir -p "$DEST"
 export METHODS=${METHODS:-sce moco} PYTHON=${PYTHON:-python3}
-RUNS=runs/repro
+RUNS=${RUNS:-runs/repro}
 if [ ! -d data/cifar10/train ]; then
     mkdir -p data/cifar10 && tar -xzf data/cifar10-jpeg.tar.gz -C data/cifar10 || exit 1
 fi
@@ -21,11 +22,19 @@ fi
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.draw --format=csv -l 2 \
     >> "$DEST/nvidia-smi.csv" 2>/dev/null &
 sampler=$!
-# SIGTERM at the limit: the running stage saves and stops; SIGKILL 20 s later if it has not
-timeout -s TERM -k 20 "$LIMIT" \
-    bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" 2>&1 | tee "$DEST/reproduce.txt"
-code=${PIPESTATUS[0]}
-kill "$sampler" 2>/dev/null
+# SIGTERM to reproduce.sh at the limit: it hands it to the running stage, which saves and stops while the display
+# goes on showing its lines (the script then exits 75); SIGKILL 20 s later if it has not ended (the stage then
+# stops by itself within seconds). Not `timeout`, which signals the display too.
+bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" > "$DEST/reproduce.txt" 2>&1 &
+repro=$!
+tail -n +1 -f --pid="$repro" "$DEST/reproduce.txt" &
+( sleep "$LIMIT"; echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
+  kill -TERM "$repro"; sleep 20; kill -KILL "$repro" ) 2>/dev/null &
+watchdog=$!
+wait "$repro"
+code=$?
+pkill -P "$watchdog" 2>/dev/null; kill "$watchdog" "$sampler" 2>/dev/null
+wait 2>/dev/null  # tail shows the last lines
 # each stage's whole output, then each run's log.txt, time split and estimate (concatenated: 8 files at most)
 for f in "$RUNS"/*.log; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$DEST/stages.log"
 for f in "$RUNS"/*/{log.txt,timing.txt,estimate.json} "$RUNS"/*/linear/{log.txt,timing.txt,results_linear.json} \

@@ -85,11 +85,13 @@ if command -v flock > /dev/null; then
         echo "its PID unknown")): wait for it to end or stop it, or pass another OUT_DIR" >&2; exit 1; }
     echo "PID $$" > "$OUT/.lock.pid"
 fi
-# an OUT_DIR holds the runs of one dataset from one DATA_DIR: another is refused before anything runs
+# an OUT_DIR holds the runs of one dataset from one DATA_DIR, SMOKE's or real ones: another is refused before
+# anything runs
 source_id="$DATASET $DATA"
+if [ "${SMOKE:-0}" = 1 ]; then source_id="$source_id (SMOKE=1)"; fi
 if [ -f "$OUT/source" ] && [ "$(cat "$OUT/source")" != "$source_id" ]; then
-    echo "error: $OUT holds the runs of $(cat "$OUT/source"), not of $source_id: pass that DATASET and DATA_DIR to" \
-        "continue them, or another OUT_DIR" >&2
+    echo "error: $OUT holds the runs of $(cat "$OUT/source"), not of $source_id: pass that DATASET and DATA_DIR" \
+        "(and SMOKE) to continue them, or another OUT_DIR" >&2
     exit 1
 fi
 # which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
@@ -135,11 +137,17 @@ stage() {
     child=0
     wait "$shown" 2> /dev/null || true
     echo "$name $(( ($(date +%s%N) - start) / 1000000 ))" >> "$OUT/times"
-    if (( code != 0 || stopping )); then
+    # asked to stop: the stage saved and stopped (75), ended (0), or died of the signal before it could take it
+    # (a code above 128: still in its imports, nothing begun): all of them an interruption
+    if (( stopping && (code == 0 || code == 75 || code > 128) )); then
+        echo "=> $name stopped (exit $code); interrupted: run the same command again to continue" >&2
+        exit 75
+    fi
+    if (( code != 0 )); then
         echo "error: $name stopped (exit $code); the end of $log:" >&2
         tail -3 "$log" >&2
         (( stopping )) && echo "=> interrupted: run the same command again to continue" >&2
-        exit $(( code ? code : 75 ))
+        exit "$code"
     fi
 }
 

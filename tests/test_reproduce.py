@@ -226,15 +226,19 @@ def test_smoke_run_stopped_and_continued(tmp_path):
             timed = json.loads(line)
             assert list(timed["startup_parts"]) == parts
             assert sum(timed["startup_parts"].values()) == pytest.approx(timed["startup_s"], abs=0.01)
-    # an OUT_DIR holds one dataset from one DATA_DIR: another is refused in one line, before anything runs
+    # an OUT_DIR holds one dataset from one DATA_DIR, SMOKE's or not: another is refused in one line, before
+    # anything runs
     other = reproduce("cifar10", tmp_path / "large", tmp_path / "term", SMOKE="1", METHODS="sce")
     assert other.returncode == 1 and other.stderr.count("\n") == 1 and "===" not in other.stdout
-    assert f"holds the runs of stl10 {tmp_path / 'stl'}, not of cifar10 {tmp_path / 'large'}" in other.stderr
+    assert (f"holds the runs of stl10 {tmp_path / 'stl'} (SMOKE=1), not of cifar10 {tmp_path / 'large'} (SMOKE=1)"
+            in other.stderr)
+    real = reproduce("stl10", tmp_path / "stl", tmp_path / "term", METHODS="sce", DRY_RUN="1")  # SMOKE's, not real
+    assert real.returncode == 1 and f"not of stl10 {tmp_path / 'stl'}: pass that DATASET" in real.stderr
 
 
 def test_a_stop_between_stages_ends_the_script_before_the_next(tmp_path):
     """SIGTERM while no stage runs (here during the data check): no stage starts, the script says how to continue
-    and exits 75; the same command then proceeds (DRY_RUN)."""
+    and exits 75; the same command then proceeds (DRY_RUN). A stage the signal ends before it can take it: 75 too."""
     write_imagefolder(tmp_path / "data", num_classes=2, per_class=2)
     python = tmp_path / "python"  # the interpreter, which signals the script as it checks the data
     python.write_text(f'#!/bin/bash\n[ "$2" = check ] && kill -TERM $PPID\nexec {sys.executable} "$@"\n')
@@ -244,3 +248,8 @@ def test_a_stop_between_stages_ends_the_script_before_the_next(tmp_path):
     assert "===" not in stopped.stdout and not os.path.exists(tmp_path / "out" / "sce")
     again = reproduce("cifar10", tmp_path / "data", tmp_path / "out", METHODS="sce", DRY_RUN="1")
     assert again.returncode == 0 and "=== sce pretrain" in again.stdout
+    # a stop while a stage is still in its imports (it dies of the signal, 143): an interruption too, exit 75
+    python.write_text(f'#!/bin/bash\n[ "$1" = main_pretrain.py ] && {{ kill -TERM $PPID; sleep 30; }}\n'
+                      f'exec {sys.executable} "$@"\n')
+    early = reproduce("cifar10", tmp_path / "data", tmp_path / "early", METHODS="sce", PYTHON=str(python))
+    assert early.returncode == 75 and "sce pretrain stopped (exit 143); interrupted: run the same" in early.stderr
