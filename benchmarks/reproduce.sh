@@ -24,7 +24,8 @@
 # machine; each stage shows a line per epoch here and its time split at its end, its whole output going to
 # OUT_DIR/METHOD.STAGE.log. Interrupted (SIGTERM, SIGINT, SIGUSR1: the running stage saves and stops, or the script
 # stops before the next stage; killed outright: the stage stops by itself within seconds), the same command continues
-# where it stopped. One invocation at a time may use an OUT_DIR, and an OUT_DIR holds one DATASET from one DATA_DIR.
+# where it stopped. One invocation at a time may use an OUT_DIR, and an OUT_DIR holds one DATASET from one DATA_DIR
+# (SMOKE's runs or real ones).
 # On a GPU the images are preloaded there and the step runs in bf16 from a CUDA graph; the loss itself runs in
 # fp32 (sce/builder.py). Lossy JPEG folders give somewhat lower numbers than the official pixels.
 set -euo pipefail
