@@ -23,17 +23,17 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.dra
     >> "$DEST/nvidia-smi.csv" 2>/dev/null &
 sampler=$!
 # SIGTERM to reproduce.sh at the limit: it hands it to the running stage, which saves and stops while the display
-# goes on showing its lines (the script then exits 75); SIGKILL 20 s later if it has not ended (the stage then
-# stops by itself within seconds). Not `timeout`, which signals the display too.
+# goes on showing its lines (the script then exits 75); 20 s later, if it has not ended, SIGKILL to its children
+# (the stage, the display) and to it. Not `timeout`, which signals the display too.
 bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" > "$DEST/reproduce.txt" 2>&1 &
 repro=$!
 tail -n +1 -f --pid="$repro" "$DEST/reproduce.txt" &
-( sleep "$LIMIT"; echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
-  kill -TERM "$repro"; sleep 20; kill -KILL "$repro" ) 2>/dev/null &
+( sleep "$LIMIT" && { echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
+  kill -TERM "$repro"; sleep 20 && { pkill -KILL -P "$repro"; kill -KILL "$repro"; }; } ) 2>/dev/null &
 watchdog=$!
 wait "$repro"
 code=$?
-pkill -P "$watchdog" 2>/dev/null; kill "$watchdog" "$sampler" 2>/dev/null
+pkill -P "$watchdog" 2>/dev/null; kill "$watchdog" "$sampler" 2>/dev/null  # the sleeps end, and the chain with them
 wait 2>/dev/null  # tail shows the last lines
 # each stage's whole output, then each run's log.txt, time split and estimate (concatenated: 8 files at most)
 for f in "$RUNS"/*.log; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$DEST/stages.log"

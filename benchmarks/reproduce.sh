@@ -138,9 +138,9 @@ stage() {
     child=0
     wait "$shown" 2> /dev/null || true
     echo "$name $(( ($(date +%s%N) - start) / 1000000 ))" >> "$OUT/times"
-    # asked to stop: the stage saved and stopped (75), ended (0), or died of the signal before it could take it
-    # (a code above 128: still in its imports, nothing begun): all of them an interruption
-    if (( stopping && (code == 0 || code == 75 || code > 128) )); then
+    # asked to stop: the stage saved and stopped (75), ended (0), or died of a stop signal before it could take it
+    # (143 TERM, 130 INT, 138 USR1: still in its imports, nothing begun): all of them an interruption
+    if (( stopping && (code == 0 || code == 75 || code == 143 || code == 130 || code == 138) )); then
         echo "=> $name stopped (exit $code); interrupted: run the same command again to continue" >&2
         exit 75
     fi

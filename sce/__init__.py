@@ -15,6 +15,8 @@ def alive(pid):
                 return f.read().rsplit(")", 1)[1].split()[0] != "Z"
         except FileNotFoundError:
             return False
+        except OSError:  # reaped between the open and the read: ask the kernel
+            pass
     try:  # no /proc: whether the process exists
         os.kill(pid, 0)
     except ProcessLookupError:

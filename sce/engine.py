@@ -208,6 +208,8 @@ class Step:
     def _undo(self):
         self._restore(self.saved)
         revert_to_eager(self.t.model)
+        if self.graph:  # the failed call is run again: one step, one call towards the capture's warm-up
+            self.graph.calls -= 1
 
     def _run(self, views, momentum):
         if self.graph is None:

@@ -411,3 +411,34 @@ def test_blocks_compile_once_a_shape_and_give_the_eager_step(monkeypatch):
     assert len(graphs) == 16 and not symbolic
     after = eager.model.state_dict()
     assert all(torch.allclose(v, after[k], atol=1e-5) for k, v in compiled.model.state_dict().items())
+
+
+def test_a_compile_failing_in_the_warmup_leaves_the_capture_its_eager_steps():
+    """A compiled call that fails is run again eagerly: one step, counted once towards the CUDA graph's warm-up, so
+    the capture still follows `warmup` steps (not the failed call's eager retry, whose cuDNN autotuning a capture
+    would refuse)."""
+    import torchvision
+    calls, t = [], make_training()
+
+    def compile(self, *args, **kwargs):  # the online encoder's third training call fails to compile
+        def compiled(*a, **k):
+            calls.append(isinstance(self, torchvision.models.ResNet) and torch.is_grad_enabled())
+            if sum(calls) == 3:
+                raise RuntimeError("Triton Error: out of resources")
+            return self._call_impl(*a, **k)
+        self._compiled_call_impl = compiled
+    real = torch.nn.Module.compile
+    torch.nn.Module.compile = compile
+    try:
+        compile_model(t.model, Log())
+    finally:
+        torch.nn.Module.compile = real
+    lr_as_tensors(t.optimizer, torch.device("cpu"))
+    graphs = Replay()
+    step = Step(t, compiled=True, graphs=graphs, warmup=3)
+    captures = []
+    with pytest.warns(UserWarning, match="torch.compile of the training step failed"):
+        for seed in range(5):
+            step(views(seed), 0.9)
+            captures.append(graphs.captures)
+    assert step.compile_failed and captures == [0, 0, 0, 1, 1]  # captured at step 4, after 3 eager ones
