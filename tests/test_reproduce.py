@@ -1,6 +1,7 @@
 """benchmarks/reproduce.sh: the baselines table's small and medium datasets from their official files (written
 here in each format, a few images each): SMOKE=1 runs the whole script, its commands are RECIPES.md's settings,
 bad input is one line, and a signal reaches the running stage instead of orphaning it."""
+import glob
 import importlib.util
 import json
 import os
@@ -13,11 +14,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import REPO, write_cifar, write_imagefolder, write_stl10, write_tiny_imagenet
 import main_pretrain
 from sce import UserError
+from sce.data import build_dataset
 from test_recipes import COMMANDS
 
 PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]  # sce.timing's
@@ -253,3 +257,27 @@ def test_a_stop_between_stages_ends_the_script_before_the_next(tmp_path):
                       f'exec {sys.executable} "$@"\n')
     early = reproduce("cifar10", tmp_path / "data", tmp_path / "early", METHODS="sce", PYTHON=str(python))
     assert early.returncode == 75 and "sce pretrain stopped (exit 143); interrupted: run the same" in early.stderr
+
+
+def test_smoke_reads_official_files_as_the_scripts_do(tmp_path):
+    """SMOKE=1's small ImageFolder, written from an official layout with numpy and PIL alone (reproduce_tools.smoke:
+    CIFAR's python batches, Tiny-ImageNet's val annotations), holds the images and labels sce.data reads."""
+    tools = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
+        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduce_tools.py")))
+    tools.__spec__.loader.exec_module(tools)
+    write_cifar(str(tmp_path / "cifar"), 10, per_batch=3)
+    write_tiny_imagenet(str(tmp_path / "tiny" / "tiny-imagenet-200"))
+    for dataset, data in (("cifar10", tmp_path / "cifar"), ("tiny-imagenet", tmp_path / "tiny")):
+        env, folder = tmp_path / f"{dataset}.env", tmp_path / f"{dataset}_smoke"
+        tools.check(dataset, str(data), str(env), str(folder))
+        root = tools.read_env(str(env))
+        assert root["FORMAT"] == "imagefolder" and root["ROOT"] == str(folder)
+        fmt, official_root, _ = tools.layout(dataset, str(data))  # the folder the scripts get as --data
+        for split in ("train", "val"):
+            official = build_dataset(fmt, official_root, split)
+            files = sorted(glob.glob(str(folder / split / "*" / "*.png")))
+            assert files and len(files) == min(len(official), 10 * tools.SMOKE_IMAGES[split])
+            for path in files:
+                image, target = official[int(os.path.basename(path)[:-4])]
+                assert os.path.basename(os.path.dirname(path)) == f"class_{target:03d}", (dataset, split, path)
+                assert np.array_equal(np.asarray(Image.open(path)), np.asarray(image.convert("RGB"))), path
