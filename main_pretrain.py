@@ -73,8 +73,13 @@ g.add_argument("--pred-hidden-dims", type=int, nargs="*", default=[], metavar="D
 g.add_argument("--sync-bn", action="store_true", help="synchronise BN statistics across ranks")
 g.add_argument("--shuffle-bn", action="store_true", help="MoCo shuffle-BN for the momentum branch")
 g.add_argument("--bn-splits", type=int, default=8,
-               help="--shuffle-bn on one process: every BN computes its statistics over this many chunks of the "
-                    "batch, as on that many GPUs (the authors' single-GPU small-dataset runs)")
+               help="--shuffle-bn on one process: BN statistics over this many chunks of the batch, in the layers "
+                    "--split-bn names (the authors' single-GPU small-dataset runs: 8)")
+g.add_argument("--split-bn", default="momentum", choices=["momentum", "all"],
+               help="which BN layers --bn-splits splits: momentum, the momentum encoder's, whose batch is shuffled "
+                    "(the authors' single-GPU code: the online branch and the heads normalise over the whole batch); "
+                    "all, every BN layer of both branches and heads, as that many GPUs without --sync-bn would "
+                    "(MoCo's CIFAR demo)")
 g = parser.add_argument_group("objective")
 g.add_argument("--method", default="sce", choices=list(losses.METHODS), help="sce, or the baselines moco (v2) / ressl")
 g.add_argument("--lambda", dest="lambda_", type=float, default=0.5, metavar="LAMBDA",

@@ -127,14 +127,15 @@ class MomentumModel(nn.Module):
     views[0], views[1] are the global views (view 0 the target view of the asymmetric loss),
     views[2:] local crops. Asymmetric: view 0 is the only target, every other view a query.
     Symmetric: each global view is a target for every other view; locals are only queries.
-    bn_splits > 1: every BN computes its statistics over that many chunks of the batch (one
-    process standing for several GPUs, with shuffle_bn: the authors' small-dataset setting). The
-    heads' BN layers are split too, as they would be on that many GPUs.
+    bn_splits > 1 (one process, with shuffle_bn): BN statistics over that many chunks of the batch, in the
+    momentum encoder only (split_bn "momentum": the authors' single-GPU small-dataset runs, whose online branch
+    and heads normalise over the whole batch; the momentum branch's batch is shuffled), or in every BN layer of
+    both branches and heads ("all": what that many GPUs without sync-BN compute, as in MoCo's CIFAR demo).
     """
 
     def __init__(self, criterion, arch="resnet50", small_input=False, proj_hidden_dims=(2048, 2048),
                  proj_dim=256, proj_last_bn="affine", pred_hidden_dims=(), queue_size=65536,
-                 symmetric=False, shuffle_bn=False, bn_splits=1, sync_bn=False):
+                 symmetric=False, shuffle_bn=False, bn_splits=1, sync_bn=False, split_bn="momentum"):
         super().__init__()
         self.criterion = criterion
         self.symmetric = symmetric
@@ -148,11 +149,13 @@ class MomentumModel(nn.Module):
         for name in ("encoder", "projector", "predictor"):
             if sync_bn:
                 setattr(self, name, nn.SyncBatchNorm.convert_sync_batchnorm(getattr(self, name)))
-            elif bn_splits > 1:
+            elif bn_splits > 1 and split_bn == "all":
                 setattr(self, name, split_batch_norm(getattr(self, name), bn_splits))
         # the momentum branch starts as an exact copy and only moves by EMA
         self.momentum_encoder = copy.deepcopy(self.encoder)
         self.momentum_projector = copy.deepcopy(self.projector)
+        if bn_splits > 1 and split_bn == "momentum" and not sync_bn:
+            self.momentum_encoder = split_batch_norm(self.momentum_encoder, bn_splits)
         for p in self.momentum_parameters():
             p.requires_grad = False
         self.register_buffer("queue", F.normalize(torch.randn(queue_size, proj_dim), dim=1))
@@ -231,10 +234,10 @@ class MomentumModel(nn.Module):
 
 def build_model(args, criterion, bn_splits=1, sync_bn=False):
     """The MomentumModel of main_pretrain.py's flags (arch, heads, queue, symmetric, shuffle-BN) with `criterion`
-    (sce.losses.criterion); bn_splits > 1: split BN (one process standing for several GPUs); sync_bn: SyncBatchNorm
-    (several ranks). main_pretrain.py and the benchmark build it here."""
+    (sce.losses.criterion); bn_splits > 1: split BN on one process (--split-bn: the momentum encoder's, or all);
+    sync_bn: SyncBatchNorm (several ranks). main_pretrain.py and the benchmark build it here."""
     return MomentumModel(criterion, arch=args.arch, small_input=args.small_input,
                          proj_hidden_dims=args.proj_hidden_dims, proj_dim=args.proj_dim,
                          proj_last_bn=args.proj_last_bn, pred_hidden_dims=args.pred_hidden_dims,
                          queue_size=args.queue_size, symmetric=args.symmetric, shuffle_bn=args.shuffle_bn,
-                         bn_splits=bn_splits, sync_bn=sync_bn)
+                         bn_splits=bn_splits, sync_bn=sync_bn, split_bn=getattr(args, "split_bn", "momentum"))

@@ -15,7 +15,7 @@ from sce.optim import excludes_bias_norm, load_optimizer_state
 RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn", "optimizer",
                      "pred_hidden_dims", "queue_size", "symmetric", "method", "tau", "tau_m", "mask_positive",
                      "loss_coeffs", "lambda_", "lambda_schedule", "lambda_end", "lambda_warmup_steps",
-                     "lambda_warmup_start", "weight_decay", "sgd_momentum", "wd_exclude_bias_norm"]
+                     "lambda_warmup_start", "weight_decay", "sgd_momentum", "wd_exclude_bias_norm", "split_bn"]
 
 
 def find_resume(args):
@@ -69,6 +69,9 @@ def effective(settings, key):
     """A saved or parsed setting as the run applies it (--wd-exclude-bias-norm unset: the optimizer's default)."""
     if key == "wd_exclude_bias_norm":
         return excludes_bias_norm(settings.get("optimizer"), settings.get(key))
+    if key == "split_bn":  # only where BN is split (one process); runs from before the flag split every BN layer
+        split = settings.get("shuffle_bn") and (settings.get("bn_splits") or 1) > 1 and du.world_size() == 1
+        return (settings.get(key) or "all") if split else None
     return settings.get(key)
 
 
@@ -116,7 +119,7 @@ def resume(args, model, optimizer, scaler, rank, data=None):
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
     saved, now = ckpt["args"], vars(args)
     for key in RESUME_MUST_MATCH:
-        if key in saved and effective(saved, key) != effective(now, key):  # keys newer than the checkpoint: skipped
+        if (key in saved or key == "split_bn") and effective(saved, key) != effective(now, key):  # newer keys: skipped
             flag = "--" + key.rstrip("_").replace("_", "-")
             raise UserError(f"{path} was trained with {flag} {as_typed(effective(saved, key))}, not "
                             f"{as_typed(effective(now, key))}: pass the same value or another --output-dir")

@@ -3,7 +3,7 @@ and sce.engine.train_step with its non-finite guard, an lr and EMA schedule, BN 
 the result.
 
 Run under torchrun with 2 ranks, or as one process standing for them: the one process splits every
-BN into 2 chunks of the batch (bn_splits=2), the chunks the ranks hold (ResumableSampler gives rank r
+BN into 2 chunks of the batch (bn_splits=2, split_bn="all"), the chunks the ranks hold (ResumableSampler gives rank r
 the r-th consecutive slice of each global batch), so its BN statistics are theirs. Weights, the
 queue and the mean over ranks of the BN running statistics must agree (rank 0's own statistics
 follow its chunk alone, so they do not).
@@ -36,7 +36,7 @@ bn_splits = 2 if world == 1 else 1  # as main_pretrain.py's check_world: several
 # float64: the two runs sum in different orders, and fp32's rounding (1e-7) grows to ~1e-4 by the 4th step
 torch.set_default_dtype(torch.float64)
 model = MomentumModel(functools.partial(losses.sce_loss, tau=0.1, tau_m=0.07), "resnet18", True, [], 16, "none",
-            queue_size=24, shuffle_bn=True, bn_splits=bn_splits)
+            queue_size=24, shuffle_bn=True, bn_splits=bn_splits, split_bn="all")
 ddp = du.wrap_ddp(model, device) if world > 1 else model
 t = Training(model, ddp, build_optimizer("sgd", model, base_lr, 1e-4))
 ddp.train()

@@ -161,7 +161,13 @@ def test_split_batch_norm_is_batch_norm_per_chunk():
     refs[0].eval()
     refs[0].load_state_dict(split.state_dict())
     assert torch.allclose(split(x), refs[0](x), atol=1e-6)  # evaluation: plain BN with the running statistics
-    model = small_model(shuffle_bn=True, bn_splits=2)  # both branches, trunk and heads
+    # the authors' single-GPU runs (split_bn "momentum", the default): the momentum encoder's BN alone; the online
+    # branch and both projectors normalise over the whole batch. "all": every BN layer, as that many GPUs would
+    model = small_model(shuffle_bn=True, bn_splits=2)
+    split = {name for name, m in model.named_modules() if isinstance(m, SplitBatchNorm)}
+    bns = {name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    assert split == {name for name in bns if name.startswith("momentum_encoder.")} and split
+    model = small_model(shuffle_bn=True, bn_splits=2, split_bn="all")
     assert all(not isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) or isinstance(m, SplitBatchNorm)
                for m in model.modules())
 

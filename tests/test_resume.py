@@ -21,6 +21,7 @@ from sce import UserError, checkpoint
 from sce.epoch import estimate_due
 from sce.optim import build_optimizer
 from sce.preemption import PREEMPTED_EXIT_CODE
+from sce.resume import effective
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -368,3 +369,12 @@ def test_checkpoint_load_runs_no_code(small, tmp_path):
     assert not marker.exists()
     torch.load(evil, weights_only=False)  # the payload is live: full unpickling would run it
     assert marker.exists()
+
+
+def test_a_run_from_before_split_bn_continues_as_it_ran():
+    """Runs from before --split-bn split every BN layer under --shuffle-bn --bn-splits: resumed, they must say
+    --split-bn all (the check compares effective values); without split BN the flag does not count."""
+    old = dict(shuffle_bn=True, bn_splits=8)
+    assert effective(old, "split_bn") == "all" != effective(dict(old, split_bn="momentum"), "split_bn")
+    assert effective(dict(shuffle_bn=False, bn_splits=8, split_bn="momentum"), "split_bn") is None
+    assert effective(dict(shuffle_bn=True, bn_splits=1), "split_bn") is None
