@@ -247,6 +247,7 @@ def main(argv=None):
     rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
     resolve_device_defaults(args, device, world_size)
     bn_splits = check_args(args, world_size, device)
+    args.split_bn = args.split_bn if bn_splits > 1 else None  # recorded as the run applies it: None, no split BN
     if world_size > 1:
         check_ranks_agree(args)
     lock = None

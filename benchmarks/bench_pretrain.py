@@ -110,7 +110,8 @@ ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" els
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
                channels_last=args.channels_last, compile=args.compile and ("blocks" if args.compile_blocks else True),
                symmetric=args.symmetric,
-               bn_splits=args.bn_splits if args.shuffle_bn else 1, cuda_graph=args.cuda_graph)
+               bn_splits=args.bn_splits if args.shuffle_bn else 1, split_bn="momentum" if args.shuffle_bn else None,
+               cuda_graph=args.cuda_graph)
 MEMORY_FORMAT = torch.channels_last if args.channels_last else torch.contiguous_format
 REFERENCE = {}  # images/s of supervised_reference and ideal_asymmetric
 SPECS = [data.ViewSpec("weak", args.crop_size), data.ViewSpec("strong", args.crop_size)]  # the defaults' views

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The CUDA-graph steps give the eager steps' numbers (for gpu_check.sh): two copies of RECIPES.md's CIFAR-10
-model (ResNet-18 small-input, split BN of 8, batch 256, queue 4096), the same views and lr, 8 steps each,
-one through train_step, one through sce.engine.build_step's CUDA graph (captured after its eager steps);
+model (ResNet-18 small-input, the momentum encoder's BN split in 8, batch 256, queue 4096), the same views and lr,
+8 steps each, one through train_step, one through sce.engine.build_step's CUDA graph (captured after its eager steps);
 losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
 at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).

@@ -69,9 +69,10 @@ def effective(settings, key):
     """A saved or parsed setting as the run applies it (--wd-exclude-bias-norm unset: the optimizer's default)."""
     if key == "wd_exclude_bias_norm":
         return excludes_bias_norm(settings.get("optimizer"), settings.get(key))
-    if key == "split_bn":  # only where BN is split (one process); runs from before the flag split every BN layer
-        split = settings.get("shuffle_bn") and (settings.get("bn_splits") or 1) > 1 and du.world_size() == 1
-        return (settings.get(key) or "all") if split else None
+    if key == "split_bn":  # as the run applied it (None: no split BN, main_pretrain.py resolves it); runs from
+        if key in settings:  # before the flag split every BN layer where they split (one process, we assume)
+            return settings[key]
+        return "all" if settings.get("shuffle_bn") and (settings.get("bn_splits") or 1) > 1 else None
     return settings.get(key)
 
 
@@ -119,10 +120,13 @@ def resume(args, model, optimizer, scaler, rank, data=None):
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
     saved, now = ckpt["args"], vars(args)
     for key in RESUME_MUST_MATCH:
-        if (key in saved or key == "split_bn") and effective(saved, key) != effective(now, key):  # newer keys: skipped
+        was, is_now = effective(saved, key), effective(now, key)
+        if key == "split_bn" and None in (was, is_now):  # split BN on one side only: --shuffle-bn, ranks decide
+            continue
+        if (key in saved or key == "split_bn") and was != is_now:  # keys newer than the checkpoint: skipped
             flag = "--" + key.rstrip("_").replace("_", "-")
-            raise UserError(f"{path} was trained with {flag} {as_typed(effective(saved, key))}, not "
-                            f"{as_typed(effective(now, key))}: pass the same value or another --output-dir")
+            raise UserError(f"{path} was trained with {flag} {as_typed(was)}, not {as_typed(is_now)}: pass the same "
+                            "value or another --output-dir")
     if ckpt.get("step_in_epoch"):
         check_mid_epoch(path, ckpt, args, data or {})
     model.load_state_dict(ckpt["model"])
