@@ -219,7 +219,8 @@ def test_smoke_run_stopped_and_continued(tmp_path):
         measured[name] = measured.get(name, 0) + int(ms) / 1000
     for stage in ("pretrain", "linear"):
         split = row["split"][stage]
-        assert sum(split[p] for p in PARTS) == pytest.approx(split["wall"], abs=0.2), (stage, split)
+        # each part and the wall rounded to 0.1 s in the row: up to 0.05 s off each
+        assert sum(split[p] for p in PARTS) == pytest.approx(split["wall"], abs=0.05 * (len(PARTS) + 1)), (stage, split)
         assert split["wall"] == pytest.approx(measured[f"sce {stage}"], rel=0.05), (stage, split, measured)
         assert split["steps"] > 0 and f"| SCE {stage} | {split['wall']:.1f} | " in table
     assert row["split"]["pretrain"]["knn"] > 0 and row["split"]["linear"]["evaluation"] > 0
