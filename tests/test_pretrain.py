@@ -10,6 +10,7 @@ from PIL import Image
 
 from conftest import TINY, assert_trained, load, pretrain, run_script, write_imagefolder
 import main_pretrain
+from sce import UserError
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
@@ -21,11 +22,15 @@ def data(tmp_path_factory):
 
 def test_methods_and_options_run(data, tmp_path, capsys):
     # baselines, eq. 10, symmetric multi-crop on device, shuffle-BN, LARS, channels-last, a predictor; the kNN monitor
-    pretrain(data, tmp_path / "r", "--method", "ressl", "--symmetric", "--local-crop-sizes", 8, "--local-crop-scales",
-             0.1, 0.5, "--augment", "gpu", "--shuffle-bn", "--bn-splits", 2, "--optimizer", "lars", "--channels-last",
-             "--pred-hidden-dims", 32, "--queue-size", 48)
+    # (every BN split, --split-bn all: a run that splits BN resumes only with the same --split-bn)
+    flags = ["--method", "ressl", "--symmetric", "--local-crop-sizes", 8, "--local-crop-scales", 0.1, 0.5,
+             "--augment", "gpu", "--shuffle-bn", "--bn-splits", 2, "--optimizer", "lars", "--channels-last",
+             "--pred-hidden-dims", 32, "--queue-size", 48]
+    pretrain(data, tmp_path / "r", *flags, "--split-bn", "all")
+    with pytest.raises(UserError, match="was trained with --split-bn all, not momentum: pass the same value"):
+        pretrain(data, tmp_path / "r", *flags, "--epochs", 2)
     ckpt = load(tmp_path / "r" / "checkpoint_last.pth")
-    assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak"
+    assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak" and ckpt["args"]["split_bn"] == "all"
     assert int(ckpt["model"]["queue_ptr"]) == 32  # symmetric: 2 x 8 keys per step, 2 steps
     assert_trained(tmp_path / "r")
     assert any(k.startswith("predictor.") for k in ckpt["model"])
@@ -34,6 +39,7 @@ def test_methods_and_options_run(data, tmp_path, capsys):
     assert re.search(r"=> epoch 1: kNN top-1 \d+\.\d+ top-5 \d+\.\d+", capsys.readouterr().out)  # the kNN monitor
     args = load(tmp_path / "m" / "checkpoint_last.pth")["args"]
     assert args["tau"] == 0.2 and args["loss"] == "infonce" and args["target_aug"] == "strong"
+    assert args["split_bn"] is None  # no split BN: recorded as the run applied it
     assert_trained(tmp_path / "m")
     pretrain(data, tmp_path / "c", "--loss-coeffs", 0.5, 0.5, 0)
     assert load(tmp_path / "c" / "checkpoint_last.pth")["args"]["loss"] == "combined"
