@@ -24,7 +24,6 @@ import functools
 import itertools
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_common import environment, no_compile_since, sync, time_calls  # noqa: E402
 from photos import write_photos  # noqa: E402
 from sce import cli, compiling, data, epoch, losses, timing  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
@@ -77,9 +77,6 @@ parser.add_argument("--augment", nargs="+", default=["cpu", "gpu", "decode"], ch
                     help="pipelines to measure: cpu (all in the workers), gpu (photometric ops on the device), decode "
                          "(JPEGs decoded, cropped and resized on the device too: the workers read bytes, header and "
                          "parameters) (default: cpu gpu decode)")
-parser.add_argument("--lincls", action="store_true",
-                    help="also main_lincls.py as users run it on the photos: the linear probe's training and the kNN's "
-                         "feature extraction, against a no-grad forward of the trunk")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="(default: cuda if present)")
 parser.add_argument("--workers", type=int, default=cli.default_workers(),
@@ -97,16 +94,13 @@ parser.add_argument("--skip-data", action="store_true", help="measure the traini
 parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
 args = parser.parse_args()
 device = torch.device(args.device)
-if args.lincls and args.data:
-    parser.error("--lincls splits the benchmark's own photos into two classes: drop --data")
 if args.cuda_graph and device.type != "cuda":
     parser.error("--cuda-graph needs a CUDA device")
 if args.cuda_graph:  # the capture happens in the untimed steps, after main_pretrain.py's eager ones
     args.warmup = max(args.warmup, GRAPH_WARMUP + 1)
 torch.backends.cudnn.benchmark = True  # as main_pretrain.py
 amp_dtype = cli.AMP[args.amp]
-ENV = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
-       "torch": torch.__version__}
+ENV = environment(device)
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
                channels_last=args.channels_last, compile=args.compile and ("blocks" if args.compile_blocks else True),
                symmetric=args.symmetric,
@@ -122,11 +116,6 @@ results = []
 def report(**fields):
     results.append(fields)
     print(json.dumps({**fields, **ENV}), flush=True)
-
-
-def sync():
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Cycle(torch.utils.data.Dataset):
@@ -258,7 +247,7 @@ def bench_data(dataset, augment):
     if args.profile and augment != "cpu":
         with torch.profiler.profile() as prof:
             batches.views_from(batch)
-            sync()
+            sync(device)
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
     report(what="data", augment=augment, workers=args.workers, crop=args.crop_size, batch=args.batch_size,
@@ -270,33 +259,17 @@ def bench_data(dataset, augment):
 def time_device_augment(batches, batch):
     """ms per batch of the device's side of a loader batch (decoding, crops, photometric ops, normalisation)."""
     batches.views_from(batch)  # compiles, if asked
-    sync()
+    sync(device)
     start = time.perf_counter()
     for _ in range(args.steps):
         batches.views_from(batch)
-    sync()
+    sync(device)
     return round(1000 * (time.perf_counter() - start) / args.steps, 2)
 
 
 def time_steps(step, views):
     """Seconds per call of step(views, momentum), after args.warmup untimed calls."""
-    for _ in range(args.warmup):
-        step(views, 0.99)
-    sync()
-    graphs, start = compiling.graphs_compiled(), time.perf_counter()
-    for _ in range(args.steps):
-        step(views, 0.99)
-    sync()
-    no_compile_while_timed(graphs)
-    return (time.perf_counter() - start) / args.steps
-
-
-def no_compile_while_timed(graphs_before):
-    """A row that timed a compile (a graph compiled after the warm-up) would report the compiler: stop."""
-    new = compiling.graphs_compiled() - graphs_before
-    if new:
-        raise SystemExit(f"error: {new} graph(s) compiled during the timed steps ({COMPILES.summary()}): the "
-                         "warm-up did not cover every compile (a recompile?)")
+    return time_calls(lambda: step(views, 0.99), device, args.warmup, args.steps, COMPILES)
 
 
 def check_graph(step, batches=None):
@@ -318,7 +291,7 @@ def bench_train_step(training, step):
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     step(views, 0.99)  # the first step: with --compile, the cold compile of the forwards and the backward
-    sync()
+    sync(device)
     first_step_s = time.perf_counter() - start
     unguarded_s = None
     if not args.cuda_graph:
@@ -384,13 +357,13 @@ def run_pipeline(step, batches):
     batches_iter = iter(batches)
     for _ in range(args.warmup):
         step(next(batches_iter), 0.99)
-    sync()
+    sync(device)
     batches.wait_s, graphs, start = 0.0, compiling.graphs_compiled(), time.perf_counter()
     for _ in range(args.steps):
         step(next(batches_iter), 0.99)
-    sync()
+    sync(device)
     seconds = time.perf_counter() - start
-    no_compile_while_timed(graphs)
+    no_compile_since(graphs, COMPILES)
     check_graph(step, batches)
     return args.steps * args.batch_size / seconds, batches.wait_s / seconds, batches_iter
 
@@ -410,7 +383,7 @@ def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None,
         with torch.profiler.profile() as prof:
             for _ in range(2):
                 step(next(batches_iter), 0.99)
-            sync()
+            sync(device)
         print(f"end to end, augment {augment}, two steps:", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
     report(what="end_to_end", augment=augment, workers=workers, **SETTING,
@@ -498,46 +471,6 @@ def count_host_syncs(step, batches_iter, steps=2):
     return len(sites) / steps, sorted(set(sites))
 
 
-def bench_lincls(root, tmp):
-    """main_lincls.py as users run it (a subprocess, default flags but the epochs) on the photos, split in
-    two classes: images/s of the linear probe's training (its last progress line) and of the kNN's
-    feature extraction, against a no-grad forward of the same trunk on device tensors."""
-    import subprocess
-    data = os.path.join(tmp, "lincls")
-    photos = sorted(os.listdir(os.path.join(root, "photos")))
-    for split in ("train", "val"):
-        for c in range(2):
-            os.makedirs(os.path.join(data, split, f"c{c}"))
-            for name in photos[c::2]:
-                os.symlink(os.path.join(root, "photos", name), os.path.join(data, split, f"c{c}", name))
-    trunk, _ = build_trunk(args.arch, args.small_input)
-    torch.save(trunk.state_dict(), os.path.join(tmp, "trunk.pth"))
-    rates = {}
-    for what, extra in (("lincls_train", ["--epochs", "3", "--print-freq", "5"]), ("feature_extraction", ["--knn"])):
-        cmd = [sys.executable, os.path.join(ROOT, "main_lincls.py"), "--data", data, "--pretrained",
-               os.path.join(tmp, "trunk.pth"), "--arch", args.arch, "--crop-size", str(args.crop_size), "--batch-size",
-               str(args.batch_size), "--workers", str(args.workers), "--amp", args.amp, "--output-dir",
-               os.path.join(tmp, what), "--compile" if args.compile else "--no-compile"] + extra \
-            + (["--small-input"] if args.small_input else [])
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        found = re.findall(r"(\d+) images/s", out.stdout)
-        if out.returncode or not found:
-            raise SystemExit(f"error: {' '.join(cmd)} failed\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        rates[what] = float(found[-1])
-    trunk = trunk.to(device).eval()  # as main_lincls.py runs it: contiguous, compiled as it is
-    if args.compile:
-        compile_module(trunk, "trunk", COMPILES)
-    views = [v.contiguous() for v in synthetic_views()]
-
-    def forward(_views, _m):
-        with torch.no_grad(), cli.autocast(device, args.amp):
-            trunk(views[0])
-    forward_rate = args.batch_size / time_steps(forward, views)
-    report(what="forward_reference", **SETTING, images_per_s=round(forward_rate, 1))
-    for what, rate in rates.items():
-        report(what=what, **SETTING, images_per_s=rate, of_forward=round(rate / forward_rate, 3))
-
-
 def table():
     print("\n| measurement | augment | images/s | other |\n|---|---|---|---|")
     for r in results:
@@ -548,9 +481,6 @@ def table():
             print(f"| data | {r['augment']} | {r['loader_images_per_s']} | {other} |")
         elif r["what"] in REFERENCE:
             print(f"| {r['what']} | - | {r['images_per_s']} | {r['step_ms']} ms/step |")
-        elif r["what"] in ("forward_reference", "lincls_train", "feature_extraction"):
-            other = f"{100 * r['of_forward']:.1f}% of a no-grad forward" if "of_forward" in r else "no-grad trunk"
-            print(f"| {r['what']} | - | {r['images_per_s']} | {other} |")
         elif r["what"] == "train_step":
             print(f"| train_step | - | {r['images_per_s']} | {r['step_ms']} ms/step, first step {r['first_step_s']} s, "
                   f"loss {r['criterion_ms']} ms "
@@ -596,6 +526,4 @@ with tempfile.TemporaryDirectory() as tmp:
                     bench_end_to_end(step, datasets[augment], augment, compute, workers, profile=False)
             if "gpu" in args.augment:
                 bench_device_pipeline(step, datasets["gpu"], compute)
-    if args.lincls:
-        bench_lincls(root, tmp)
 table()

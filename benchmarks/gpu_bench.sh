@@ -7,7 +7,8 @@
 #    bf16, channels_last, compiled), the step as a CUDA graph and without one, end to end from preloaded images,
 #    beside the supervised and ideal-asymmetric references (data/cifar10 when present, else random images).
 # 2. imagenet: ResNet-50 at 224 px, the defaults (compiled): the loader pipelines cpu / gpu / decode, also with
-#    4 workers, and main_lincls.py's training and feature extraction against a no-grad forward.
+#    4 workers; lincls: main_lincls.py's training and feature extraction against a no-grad forward
+#    (bench_lincls.py).
 # 3. symmetric: the same step with both global views as targets; 4. imagenet_eager: not compiled.
 # 5. cifar_blocks: cifar_graph with each residual block compiled apart: its cold compile (first_step_s) against
 #    cifar_graph's whole trunks (the warm Inductor cache of cifar_graph does not serve it: other graphs).
@@ -31,8 +32,9 @@ check cifar_graph 200 "$PY" benchmarks/bench_pretrain.py $SMALL --cuda-graph --p
 # shellcheck disable=SC2086
 check cifar_no_graph 120 "$PY" benchmarks/bench_pretrain.py $SMALL
 # shellcheck disable=SC2086
-check imagenet 240 "$PY" benchmarks/bench_pretrain.py $R50 --steps 30 --compile --augment cpu gpu decode \
-    --e2e-workers 4 --lincls
+check imagenet 200 "$PY" benchmarks/bench_pretrain.py $R50 --steps 30 --compile --augment cpu gpu decode \
+    --e2e-workers 4
+check lincls 90 "$PY" benchmarks/bench_lincls.py --arch resnet50 --amp bf16 --compile
 # shellcheck disable=SC2086
 check symmetric 150 "$PY" benchmarks/bench_pretrain.py $R50 --steps 20 --compile --symmetric --augment decode
 # shellcheck disable=SC2086
@@ -42,7 +44,7 @@ check cifar_blocks 200 "$PY" benchmarks/bench_pretrain.py $SMALL --cuda-graph --
 # shellcheck disable=SC2086
 check cifar_graph_eager 90 "$PY" benchmarks/bench_pretrain.py ${SMALL/--compile /} --cuda-graph
 
-for name in cifar_graph cifar_no_graph imagenet symmetric imagenet_eager cifar_blocks cifar_graph_eager; do
+for name in cifar_graph cifar_no_graph imagenet lincls symmetric imagenet_eager cifar_blocks cifar_graph_eager; do
     [ -f "$LOG/$name.log" ] && { echo "### $name"; sed -n '/^| measurement/,$p' "$LOG/$name.log"; }
 done
 finish
