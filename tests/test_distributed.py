@@ -334,13 +334,65 @@ def same_trunk(a, b):
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_torchrun_two_processes(pretrained, labelled, tmp_path):
-    proc = run_script(["torchrun", "--standalone", "--nproc_per_node", "2", "main_lincls.py", "--data", labelled,
-                       "--pretrained", pretrained, "--crop-size", "16", "--epochs", "1", "--batch-size", "8",
-                       "--workers", "0", "--output-dir", str(tmp_path)])
-    assert proc.stdout.count("Epoch 1/1:") == 1  # only rank 0 reports
-    assert load(str(tmp_path / "checkpoint_last.pth"))["epoch"] == 1
-    assert same_trunk(pretrained, str(tmp_path / "checkpoint_last.pth"))
+def _probe_of_two_ranks(rank, ports, common, out, said):
+    """Rank `rank` of two (gloo, env:// as torchrun sets it) running main_lincls.py in this process: the probe
+    stopped by SIGTERM on every rank during epoch 2's second step (SLURM signals each), the same command again, then
+    --evaluate of its checkpoint; said gets (rank, exit codes, (epoch, step) of the stopped run's checkpoint)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    real, calls, codes = F.cross_entropy, [0], []
+
+    def signalling(*a, **k):  # the training loss only (validation sums)
+        calls[0] += "reduction" not in k
+        if calls[0] == 5 and "reduction" not in k:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    last = out / "run" / "checkpoint_last.pth"
+    runs = [common + ["--output-dir", out / "run"]] * 2 + [
+        common[:2] + ["--evaluate", "--pretrained", last, "--crop-size", "16", "--workers", "0", "--output-dir",
+                      out / "evaluate"]]
+    for port, argv in zip(ports, runs):
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        F.cross_entropy = signalling if not codes else real
+        try:
+            main_lincls.main([str(a) for a in argv])
+            codes.append(0)
+        except SystemExit as e:
+            codes.append(e.code)
+        if dist.is_initialized():  # a stopped run leaves its group without the cleanup
+            dist.destroy_process_group()
+        if len(codes) == 1:
+            stopped = load(str(last))
+            stopped = (stopped["epoch"], stopped["step_in_epoch"])
+    said.put((rank, codes, stopped))
+
+
+def test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates(pretrained, labelled, tmp_path):
+    """torchrun's two ranks (only rank 0 reports) against two ranks stopped mid-epoch and continued by the same
+    command: the same head and accuracy, bit for bit; --evaluate of it on two ranks reads its accuracy."""
+    import multiprocessing
+    common = ["--data", labelled, "--pretrained", pretrained, "--crop-size", "16", "--epochs", "2", "--batch-size",
+              "8", "--workers", "0", "--print-freq", "1", "--schedule", "cosine", "--lr", "0.5", "--warmup-epochs",
+              "1"]  # 24 images: 3 steps an epoch; the lr moves each step
+    context = multiprocessing.get_context("spawn")
+    said, ports = context.Queue(), [free_port() for _ in range(3)]
+    ranks = [context.Process(target=_probe_of_two_ranks, args=(r, ports, common, tmp_path, said)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    proc = run_script(["torchrun", "--standalone", "--nproc_per_node", "2", "main_lincls.py"] + common
+                      + ["--output-dir", str(tmp_path / "ref")])
+    assert proc.stdout.count("Epoch 2/2:") == 1  # only rank 0 reports
+    got = {rank: (codes, stopped) for rank, codes, stopped in (said.get(timeout=240) for _ in ranks)}
+    for p in ranks:
+        p.join(60)
+    assert got == {r: ([75, 0, 0], (1, 2)) for r in range(2)}  # saved after epoch 2's second step
+    a, b = (load(str(tmp_path / run / "checkpoint_last.pth")) for run in ("ref", "run"))
+    assert a["epoch"] == b["epoch"] == 2 and same_trunk(pretrained, str(tmp_path / "ref" / "checkpoint_last.pth"))
+    assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and a["acc1"] == b["acc1"]
+    evaluated = json.load(open(tmp_path / "evaluate" / "results_evaluate.json"))
+    assert evaluated["acc1"] == pytest.approx(b["acc1"])
 
 
 def _probe_rank(rank, port, said):

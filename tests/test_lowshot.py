@@ -305,3 +305,23 @@ def test_cv_script_says_what_it_drops(contract_run, pretrained, voc, tmp_path, c
     with open(tmp_path / "lowshot.json") as f:
         draw = json.load(f)["results"][0]["draws"][0]
     assert draw["cv_drops"] == drops and draw["fits"] == draw["unconverged_fits"] == 68
+
+
+def test_compiled_trunk_gives_the_eager_features_compiled_once(contract_run, pretrained, voc, tmp_path, monkeypatch):
+    """--compile (dynamo's eager backend here, each graph counted): one graph for both splits' batches, the last
+    partial one padded, and the features of the contract run's eager trunk."""
+    import torch
+    import main_lowshot
+    from test_step import count_compiles
+    graphs = count_compiles(monkeypatch)
+    main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--arch", "resnet18", "--shots", "full",
+                       "--costs", "1", "--batch-size", "10", "--output-dir", str(tmp_path), "--workers", "0",
+                       "--compile"])
+    assert len(graphs) == 1  # 24 trainval and 16 test images: batches of 10, the 4s and 6 padded to 10
+    names = sorted(f for f in os.listdir(tmp_path) if f.startswith("features_"))
+    assert len(names) == 2
+    for name in names:  # the cache's key holds no batch size: the contract run's file of the same split
+        (eager,) = [f for f in os.listdir(contract_run[0]) if f.startswith(name.rsplit("_", 1)[0] + "_")]
+        pairs = ((tmp_path, name), (contract_run[0], eager))
+        a, b = (torch.load(folder / f, weights_only=True)["features"] for folder, f in pairs)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
