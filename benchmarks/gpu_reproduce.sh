@@ -4,9 +4,13 @@
 # the first finished method in three parts). Run it again at once with the time left: reproduce.sh continues where
 # the limit stopped it (runs/ stays while the machine is held).
 #   bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]    (METHODS: default "sce moco"; OUT: default $OUT, else runs/gpu_out;
-#                                                     RUNS: reproduce.sh's OUT_DIR, default runs/repro)
-# The data: data/cifar10/{train,val}, or unpacked here from data/cifar10-jpeg.tar.gz (carried: 20 MB).
+#                                                     RUNS: reproduce.sh's OUT_DIR, default runs/repro;
+#                                                     COMMIT: the commit to record, where the copy has no .git)
+# LIMIT_S counts from this script's start (the unpack included); the stop, its 20 s of grace and the trunk's export
+# come after it: give the command about LIMIT_S + 60 s. The data: data/cifar10/{train,val}, or unpacked here from
+# data/cifar10-jpeg.tar.gz (carry that file alone, 20 MB: an unpacked data/cifar10 is 237 MB).
 set -u
+START=$SECONDS
 LIMIT=${1:?usage: bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]}
 DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
 cd "$(dirname "$0")/.."
@@ -18,17 +22,21 @@ if [ ! -d data/cifar10/train ]; then
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   "$PYTHON" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
-  git log --oneline -1; } > "$DEST/machine.txt" 2>&1
+  echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null || echo 'unknown (no .git here: pass COMMIT=)')}"
+} > "$DEST/machine.txt" 2>&1
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.draw --format=csv -l 2 \
     >> "$DEST/nvidia-smi.csv" 2>/dev/null &
 sampler=$!
 # SIGTERM to reproduce.sh at the limit: it hands it to the running stage, which saves and stops while the display
 # goes on showing its lines (the script then exits 75); 20 s later, if it has not ended, SIGKILL to its children
 # (the stage, the display) and to it. Not `timeout`, which signals the display too.
-bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" > "$DEST/reproduce.txt" 2>&1 &
+: > "$DEST/reproduce.txt"  # there before tail opens it
+bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" >> "$DEST/reproduce.txt" 2>&1 &
 repro=$!
 tail -n +1 -f --pid="$repro" "$DEST/reproduce.txt" &
-( sleep "$LIMIT" && { echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
+left=$(( LIMIT - (SECONDS - START) ))  # the unpack and the checks above counted
+( sleep "$(( left > 0 ? left : 0 ))" && {
+  echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
   kill -TERM "$repro"; sleep 20 && { pkill -KILL -P "$repro"; kill -KILL "$repro"; }; } ) 2>/dev/null &
 watchdog=$!
 wait "$repro"
