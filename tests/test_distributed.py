@@ -337,9 +337,12 @@ def same_trunk(a, b):
 def _probe_of_two_ranks(rank, ports, common, out, said):
     """Rank `rank` of two (gloo, env:// as torchrun sets it) running main_lincls.py in this process: the probe
     stopped by SIGTERM on every rank during epoch 2's second step (SLURM signals each), the same command again, then
-    --evaluate of its checkpoint; said gets (rank, exit codes, (epoch, step) of the stopped run's checkpoint)."""
+    --evaluate of its checkpoint; then the probe's check of non-finite losses, this rank alone having noted one (rank
+    1, at step 4). said gets (rank, exit codes, (epoch, step) of the stopped run's checkpoint, the check's error)."""
     import torch.distributed as dist
     import torch.nn.functional as F
+    from sce import UserError
+    from sce.probe import stop_if_nonfinite
     torch.set_num_threads(1)
     real, calls, codes = F.cross_entropy, [0], []
 
@@ -366,58 +369,40 @@ def _probe_of_two_ranks(rank, ports, common, out, said):
         if len(codes) == 1:
             stopped = load(str(last))
             stopped = (stopped["epoch"], stopped["step_in_epoch"])
-    said.put((rank, codes, stopped))
+    os.environ["MASTER_PORT"] = str(ports[3])
+    dist.init_process_group("gloo")
+    try:  # alone, the rank of the loss would stop and the others wait in their next collective (--dist-timeout)
+        stop_if_nonfinite(torch.tensor([3.0, float("nan")] if rank else [-1.0, -1.0]), 0)
+        error = None
+    except UserError as e:
+        error = str(e)
+    dist.destroy_process_group()
+    said.put((rank, codes, stopped, error))
 
 
 def test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates(pretrained, labelled, tmp_path):
     """torchrun's two ranks (only rank 0 reports) against two ranks stopped mid-epoch and continued by the same
-    command: the same head and accuracy, bit for bit; --evaluate of it on two ranks reads its accuracy."""
+    command: the same head and accuracy, bit for bit; --evaluate of it on two ranks reads its accuracy. A non-finite
+    loss noted on one rank stops every rank."""
     import multiprocessing
     common = ["--data", labelled, "--pretrained", pretrained, "--crop-size", "16", "--epochs", "2", "--batch-size",
               "8", "--workers", "0", "--print-freq", "1", "--schedule", "cosine", "--lr", "0.5", "--warmup-epochs",
               "1"]  # 24 images: 3 steps an epoch; the lr moves each step
     context = multiprocessing.get_context("spawn")
-    said, ports = context.Queue(), [free_port() for _ in range(3)]
+    said, ports = context.Queue(), [free_port() for _ in range(4)]
     ranks = [context.Process(target=_probe_of_two_ranks, args=(r, ports, common, tmp_path, said)) for r in range(2)]
     for p in ranks:
         p.start()
     proc = run_script(["torchrun", "--standalone", "--nproc_per_node", "2", "main_lincls.py"] + common
                       + ["--output-dir", str(tmp_path / "ref")])
     assert proc.stdout.count("Epoch 2/2:") == 1  # only rank 0 reports
-    got = {rank: (codes, stopped) for rank, codes, stopped in (said.get(timeout=240) for _ in ranks)}
+    got = {rank: rest for rank, *rest in (said.get(timeout=240) for _ in ranks)}
     for p in ranks:
         p.join(60)
-    assert got == {r: ([75, 0, 0], (1, 2)) for r in range(2)}  # saved after epoch 2's second step
+    # saved after epoch 2's second step; the non-finite loss named on both ranks
+    assert got == {r: [[75, 0, 0], (1, 2), "loss is nan at epoch 1 step 4: lower --lr"] for r in range(2)}
     a, b = (load(str(tmp_path / run / "checkpoint_last.pth")) for run in ("ref", "run"))
     assert a["epoch"] == b["epoch"] == 2 and same_trunk(pretrained, str(tmp_path / "ref" / "checkpoint_last.pth"))
     assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and a["acc1"] == b["acc1"]
     evaluated = json.load(open(tmp_path / "evaluate" / "results_evaluate.json"))
     assert evaluated["acc1"] == pytest.approx(b["acc1"])
-
-
-def _probe_rank(rank, port, said):
-    """Rank `rank` of two (gloo): the probe's check of non-finite losses, rank 1 alone having noted one (at step 4)."""
-    import torch.distributed as dist
-    from sce import UserError
-    from sce.probe import stop_if_nonfinite
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        stop_if_nonfinite(torch.tensor([3.0, float("nan")] if rank else [-1.0, -1.0]), 0)
-        said.put((rank, None))
-    except UserError as e:
-        said.put((rank, str(e)))
-    dist.destroy_process_group()
-
-
-def test_a_nonfinite_probe_loss_on_one_rank_stops_every_rank():
-    """Alone, the rank of the loss would stop and the others wait in their next collective until --dist-timeout."""
-    import multiprocessing
-    context = multiprocessing.get_context("spawn")
-    said, port = context.Queue(), free_port()
-    ranks = [context.Process(target=_probe_rank, args=(r, port, said)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    got = dict(said.get(timeout=120) for _ in ranks)
-    for p in ranks:
-        p.join(60)
-    assert got == {r: "loss is nan at epoch 1 step 4: lower --lr" for r in range(2)}
