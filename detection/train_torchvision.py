@@ -174,7 +174,53 @@ def lr_at(it, epoch, args):
     return args.lr * warmup * 0.1 ** sum(epoch >= s for s in args.lr_steps)
 
 
-def main():
+def train_one_epoch(ddp, loader, optimizer, scaler, amp, device, epoch, it, total, args, log):
+    """The epoch's batches from iteration `it` until the loader or `total` ends; returns the iterations run."""
+    start, done = time.time(), 0
+    for images, targets in loader:
+        lr = lr_at(it + done, epoch, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        images = [img.to(device, non_blocking=True) for img in images]
+        targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
+        with torch.autocast(device.type, enabled=amp):
+            losses = ddp(images, targets)
+        loss = sum(losses.values())
+        if not math.isfinite(loss.item()):
+            raise UserError(f"the loss is {loss.item()} at iteration {it + done}: lower --lr")
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        done += 1
+        if (it + done) % args.print_freq == 0 or it + done == total:
+            parts = "  ".join(f"{k} {v.item():.3f}" for k, v in losses.items())
+            log(f"epoch {epoch} iter {it + done}/{total}  lr {lr:.5f}  loss {loss.item():.3f}  {parts}  "
+                f"{(time.time() - start) / done:.2f} s/it")
+        if it + done >= total:
+            break
+    return done
+
+
+def resume(args, last, model, optimizer, scaler, world, log):
+    """(epoch, iteration, batches of that epoch already trained on) of OUTPUT/checkpoint_last.pth, loaded into
+    the model, optimizer and scaler."""
+    ckpt = load(last)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt.get("scaler"):  # {} from a run without --amp: the fresh scale stays
+        scaler.load_state_dict(ckpt["scaler"])
+    start_epoch, it, epoch_iter = ckpt["epoch"], ckpt["iter"], ckpt.get("epoch_iter", 0)
+    # within an epoch, the batches done are skipped from the order of (seed, epoch): the same order needed
+    ran = (ckpt["args"]["batch_size"], ckpt.get("world"), ckpt["args"]["seed"])
+    if epoch_iter and ran != (args.batch_size, world, args.seed):
+        raise UserError(f"{last} stopped within epoch {start_epoch}: resume it with --batch-size "
+                        f"{ran[0]} and --seed {ran[2]} on {ran[1]} process(es), as it ran")
+    log(f"=> resumed from {last} (epoch {start_epoch} after its batch {epoch_iter}, iteration {it})")
+    return start_epoch, it, epoch_iter
+
+
+def get_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pretrained", default="", help="trunk to start from: the output of "
                         "convert-pretrain-to-torchvision.py or any checkpoint it takes (default: none, "
@@ -211,7 +257,11 @@ def main():
                         help="only evaluate (the --resume checkpoint or the --pretrained start)")
     parser.add_argument("--print-freq", default=20, type=int, help="log every N iterations (default: 20)")
     parser.add_argument("--seed", default=0, type=int, help="random seed (default: 0)")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = get_parser().parse_args()
     cli.check_finite(args)
     cli.check_ranges({"--batch-size": args.batch_size, "--epochs": args.epochs, "--warmup-iters": args.warmup_iters,
                       "--print-freq": args.print_freq, "--min-size": args.min_size, "--max-size": args.max_size,
@@ -250,20 +300,7 @@ def main():
     amp = args.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
 
-    start_epoch, it, epoch_iter = 0, 0, 0  # epoch_iter: batches of start_epoch already trained on
-    if args.resume:
-        ckpt = load(last)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt.get("scaler"):  # {} from a run without --amp: the fresh scale stays
-            scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, it, epoch_iter = ckpt["epoch"], ckpt["iter"], ckpt.get("epoch_iter", 0)
-        # within an epoch, the batches done are skipped from the order of (seed, epoch): the same order needed
-        ran = (ckpt["args"]["batch_size"], ckpt.get("world"), ckpt["args"]["seed"])
-        if epoch_iter and ran != (args.batch_size, world, args.seed):
-            raise UserError(f"{last} stopped within epoch {start_epoch}: resume it with --batch-size "
-                            f"{ran[0]} and --seed {ran[2]} on {ran[1]} process(es), as it ran")
-        log(f"=> resumed from {last} (epoch {start_epoch} after its batch {epoch_iter}, iteration {it})")
+    start_epoch, it, epoch_iter = resume(args, last, model, optimizer, scaler, world, log) if args.resume else (0, 0, 0)
 
     sampler = EpochSampler(len(train_set), args.seed, du.rank(), world)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
@@ -281,29 +318,8 @@ def main():
     while not args.eval_only and it < total and epoch < args.epochs:
         sampler.epoch, sampler.skip = epoch, epoch_iter * args.batch_size  # resumed: the batches done are skipped
         model.train()
-        start, done = time.time(), 0
-        for images, targets in loader:
-            lr = lr_at(it, epoch, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            images = [img.to(device, non_blocking=True) for img in images]
-            targets = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets]
-            with torch.autocast(device.type, enabled=amp):
-                losses = ddp(images, targets)
-            loss = sum(losses.values())
-            if not math.isfinite(loss.item()):
-                raise UserError(f"the loss is {loss.item()} at iteration {it}: lower --lr")
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            it, done, epoch_iter = it + 1, done + 1, epoch_iter + 1
-            if it % args.print_freq == 0 or it == total:
-                parts = "  ".join(f"{k} {v.item():.3f}" for k, v in losses.items())
-                log(f"epoch {epoch} iter {it}/{total}  lr {lr:.5f}  loss {loss.item():.3f}  {parts}  "
-                    f"{(time.time() - start) / done:.2f} s/it")
-            if it >= total:
-                break
+        done = train_one_epoch(ddp, loader, optimizer, scaler, amp, device, epoch, it, total, args, log)
+        it, epoch_iter = it + done, epoch_iter + done
         if epoch_iter == per_epoch:  # else --max-iters stopped within the epoch: a resume goes on in it
             epoch, epoch_iter = epoch + 1, 0
         if du.is_main():
