@@ -27,15 +27,13 @@ import os
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_common import environment, no_compile_since, sync, time_calls  # noqa: E402
+from bench_common import count_host_syncs, environment, no_compile_since, sync, time_calls  # noqa: E402
 from photos import write_photos  # noqa: E402
 from sce import cli, compiling, data, epoch, losses, timing  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
@@ -378,7 +376,8 @@ def bench_end_to_end(step, dataset, augment, compute_images_per_s, workers=None,
     else:
         batches = make_batches(dataset, augment, steps, workers)
     images_per_s, wait, batches_iter = run_pipeline(step, batches)
-    syncs, sites = count_host_syncs(step, batches_iter) if device.type == "cuda" else (None, None)
+    syncs, sites = count_host_syncs(lambda: step(next(batches_iter), 0.99), ROOT) \
+        if device.type == "cuda" else (None, None)
     if profile and args.profile and device.type == "cuda":  # where the GPU time of two whole steps goes
         with torch.profiler.profile() as prof:
             for _ in range(2):
@@ -443,32 +442,6 @@ def bench_device_pipeline(step, dataset, compute_images_per_s):
     images_per_s, _, _ = run_pipeline(step, Cached())
     report(what="device_pipeline", augment="gpu", **SETTING, images_per_s=round(images_per_s, 1),
            of_compute_only=round(images_per_s / compute_images_per_s, 3) if compute_images_per_s else None)
-
-
-def count_host_syncs(step, batches_iter, steps=2):
-    """Host-device synchronisations per step of the loop, and where: the innermost frame of this
-    project (or of the DataLoader) under the warning torch's sync debug mode raises."""
-    sites = []
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            frames = traceback.extract_stack()[:-1]
-            ours = [f for f in frames if ROOT in f.filename and "site-packages" not in f.filename]
-            where = ours[-1] if ours else frames[-1]  # none of ours: another thread (the loader's pin-memory one?)
-            path = os.path.relpath(where.filename, ROOT) if ours else "/".join(where.filename.split(os.sep)[-3:])
-            sites.append(f"{os.path.basename(filename)}:{lineno} <- {path}:{where.lineno}")
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.cuda.set_sync_debug_mode("warn")  # in torch 2.11 switching it on counted as one sync
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        try:
-            for _ in range(steps):
-                step(next(batches_iter), 0.99)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return len(sites) / steps, sorted(set(sites))
 
 
 def table():
