@@ -65,7 +65,7 @@ def test_commands_are_recipes_settings(tmp_path):
     os.chmod(bin_dir / "python3", 0o755)
     python3_only = dict({k: v for k, v in ENV.items() if k != "PYTHON"}, PATH=f"{bin_dir}:/usr/bin:/bin")
     runs = {}
-    for dataset in WRITERS:  # the four at once: their checks import torch, seconds each
+    for dataset in WRITERS:  # the four at once: each script's start takes seconds
         WRITERS[dataset](str(tmp_path / dataset))
         command = ["bash", SCRIPT, dataset, str(tmp_path / dataset), str(tmp_path / "out" / dataset)]
         runs[dataset] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -133,6 +133,13 @@ def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
     root = write_tiny_imagenet(str(tmp_path / "tiny" / "tiny-imagenet-200"))
     os.remove(os.path.join(root, "val", "images", "val_4.JPEG"))
     assert "val_4.JPEG, listed on line 5 of" in error("tiny-imagenet", tmp_path / "tiny")
+    # whole files pass, and the check imports no torch (its 2-5 s before any stage)
+    write_cifar(str(tmp_path / "whole"), 10, per_batch=10)
+    probe = ("import runpy, sys\nsys.argv = ['reproduce_tools.py'] + sys.argv[1:]\n"
+             "runpy.run_path('benchmarks/reproduce_tools.py', run_name='__main__')\nprint('torch' in sys.modules)")
+    said = subprocess.run([sys.executable, "-c", probe, "check", "cifar10", str(tmp_path / "whole"),
+                           str(tmp_path / "whole.env")], cwd=REPO, capture_output=True, text=True)
+    assert said.returncode == 0 and said.stdout.splitlines()[-1] == "False", said.stdout + said.stderr
 
 
 def launch(data, out, dataset="cifar10"):
