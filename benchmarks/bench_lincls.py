@@ -49,6 +49,7 @@ parser.add_argument("--warmup", type=int, default=3, help="untimed forwards befo
 args = parser.parse_args()
 device = torch.device(args.device)
 args.compile = resolve_compile(args.compile, device)
+torch.backends.cudnn.benchmark = True  # as main_lincls.py
 ENV = environment(device)
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp, compile=args.compile)
 COMPILES = compiling.Log()

@@ -12,6 +12,8 @@
 set -u
 START=$SECONDS
 LIMIT=${1:?usage: bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]}
+[[ $LIMIT =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got $LIMIT)" >&2; exit 2; }
+LIMIT=$(( 10#$LIMIT ))
 DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
 cd "$(dirname "$0")/.."
 mkdir -p "$DEST"
@@ -31,11 +33,17 @@ sampler=$!
 # goes on showing its lines (the script then exits 75); 20 s later, if it has not ended, SIGKILL to its children
 # (the stage, the display) and to it. Not `timeout`, which signals the display too.
 : > "$DEST/reproduce.txt"  # there before tail opens it
+left=$(( LIMIT - (SECONDS - START) ))  # the unpack and the checks above counted
+if (( left < 1 )); then
+    echo "=> gpu_reproduce.sh: the limit of $LIMIT s was spent before reproduce.sh started" \
+        | tee -a "$DEST/reproduce.txt"
+    kill "$sampler" 2>/dev/null
+    exit 75
+fi
 bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" >> "$DEST/reproduce.txt" 2>&1 &
 repro=$!
 tail -n +1 -f --pid="$repro" "$DEST/reproduce.txt" &
-left=$(( LIMIT - (SECONDS - START) ))  # the unpack and the checks above counted
-( sleep "$(( left > 0 ? left : 0 ))" && {
+( sleep "$left" && {
   echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
   kill -TERM "$repro"; sleep 20 && { pkill -KILL -P "$repro"; kill -KILL "$repro"; }; } ) 2>/dev/null &
 watchdog=$!

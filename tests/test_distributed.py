@@ -4,6 +4,7 @@ rank that raises, dies or hangs stops the job (the raising one named); nodes tha
 line, named in torchrun's summary; sync-BN; the linear probe on two ranks, stopped and resumed; the SLURM script
 parses."""
 import contextlib
+import datetime
 import io
 import json
 import os
@@ -342,7 +343,15 @@ def _probe_of_two_ranks(rank, ports, common, out, said):
     through (the reference), again stopped by SIGTERM on every rank during epoch 2's second step (SLURM signals each)
     and continued by the same command, then --evaluate of its checkpoint; then the probe's check of non-finite
     losses, this rank alone having noted one (rank 1, at step 4). said gets (rank, the reference's epoch lines, exit
-    codes, (epoch, step) of the stopped run's checkpoint, the check's error)."""
+    codes, (epoch, step) of the stopped run's checkpoint, the check's error), or (rank, the traceback) of a failure."""
+    try:
+        said.put((rank,) + _probe_runs(rank, ports, common, out))
+    except BaseException:  # noqa: BLE001: the parent says what failed, and ends the other rank
+        import traceback
+        said.put((rank, traceback.format_exc()))
+
+
+def _probe_runs(rank, ports, common, out):
     import torch.distributed as dist
     import torch.nn.functional as F
     from sce import UserError
@@ -357,8 +366,8 @@ def _probe_of_two_ranks(rank, ports, common, out, said):
         return real(*a, **k)
     last = out / "run" / "checkpoint_last.pth"
     runs = [common + ["--output-dir", out / "ref"]] + [common + ["--output-dir", out / "run"]] * 2 + [
-        common[:2] + ["--evaluate", "--pretrained", last, "--crop-size", "16", "--workers", "0", "--output-dir",
-                      out / "evaluate"]]
+        common[:2] + common[-2:] + ["--evaluate", "--pretrained", last, "--crop-size", "16", "--workers", "0",
+                                    "--output-dir", out / "evaluate"]]
     for port, argv in zip(ports, runs):
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
@@ -377,14 +386,14 @@ def _probe_of_two_ranks(rank, ports, common, out, said):
             stopped = load(str(last))
             stopped = (stopped["epoch"], stopped["step_in_epoch"])
     os.environ["MASTER_PORT"] = str(ports[4])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:  # alone, the rank of the loss would stop and the others wait in their next collective (--dist-timeout)
         stop_if_nonfinite(torch.tensor([3.0, float("nan")] if rank else [-1.0, -1.0]), 0)
         error = None
     except UserError as e:
         error = str(e)
     dist.destroy_process_group()
-    said.put((rank, reported, codes, stopped, error))
+    return reported, codes, stopped, error
 
 
 def test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates(pretrained, labelled, tmp_path):
@@ -395,15 +404,19 @@ def test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates(pr
     import multiprocessing
     common = ["--data", labelled, "--pretrained", pretrained, "--crop-size", "16", "--epochs", "2", "--batch-size",
               "8", "--workers", "0", "--print-freq", "1", "--schedule", "cosine", "--lr", "0.5", "--warmup-epochs",
-              "1"]  # 24 images: 3 steps an epoch; the lr moves each step
+              "1", "--dist-timeout", "60"]  # 24 images: 3 steps an epoch; the lr moves each step
     context = multiprocessing.get_context("spawn")
     said, ports = context.Queue(), [free_port() for _ in range(5)]
     ranks = [context.Process(target=_probe_of_two_ranks, args=(r, ports, common, tmp_path, said)) for r in range(2)]
     for p in ranks:
         p.start()
-    got = {rank: rest for rank, *rest in (said.get(timeout=240) for _ in ranks)}
-    for p in ranks:
-        p.join(60)
+    try:
+        got = {rank: rest for rank, *rest in (said.get(timeout=240) for _ in ranks)}
+    finally:  # a rank that failed leaves its peer in a collective: no test waits for it
+        for p in ranks:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
     # rank 0 alone printed the epoch's line; saved after epoch 2's second step; the non-finite loss named on both
     error = "loss is nan at epoch 1 step 4: lower --lr"
     assert got == {0: [1, [0, 75, 0, 0], (1, 2), error], 1: [0, [0, 75, 0, 0], (1, 2), error]}
