@@ -106,4 +106,6 @@ def epoch_order(sampler, epoch):
     sampler = copy.copy(sampler)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
+    if isinstance(sampler, ResumableSampler):  # its tensor as it is (its iterator makes a Python pair an image)
+        return sampler.indices()
     return torch.tensor([i for _, i in sampler], dtype=torch.long)
