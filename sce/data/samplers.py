@@ -108,4 +108,6 @@ def epoch_order(sampler, epoch):
         sampler.set_epoch(epoch)
     if isinstance(sampler, ResumableSampler):  # its tensor as it is (its iterator makes a Python pair an image)
         return sampler.indices()
+    if isinstance(sampler, ShuffledShards):
+        return torch.tensor(sampler.shard(), dtype=torch.long)
     return torch.tensor([i for _, i in sampler], dtype=torch.long)
