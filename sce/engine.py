@@ -147,7 +147,7 @@ class Step:
     the same call runs again (sce.compiling.Fallback: one warning; `compile_failed` says why, `compiled` is False
     from then on). An error of the eager call is not the compiler's: it propagates.
     graphs (the capture mechanism: CudaGraphs; the tests use a CPU stand-in): the step replayed from a CUDA graph
-    after `warmup` eager steps (Graphed: `graphed`, `capture_s`, `captured_at`, `capture_failed`). What changes
+    after `warmup` eager steps (Graphed: `graphed`, `capture_s`, `captured_at`; `graph.capture_failed`). What changes
     from step to step reaches the graph through device tensors: the views and the EMA momentum (a device scalar,
     eager steps too, so that both compute the same EMA) copied in, the lr filled in place (lr_as_tensors then
     set_lr), lambda the criterion's tensor filled by the caller; the outputs are the graph's static tensors,
@@ -189,10 +189,6 @@ class Step:
     @property
     def captured_at(self):
         return self.graph.captured_at if self.graph else None
-
-    @property
-    def capture_failed(self):
-        return self.graph.capture_failed if self.graph else None
 
     def __call__(self, views, momentum):
         self.calls += 1
