@@ -27,6 +27,9 @@ TABLE2 = {
     "strong-beta": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.1, 0.2),
     "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
 }
+# rows beyond the paper's, for measurements: the strong view without its blur
+NOT_TABLE2 = {"strong-noblur": (0.8, (0.4, 0.4, 0.4, 0.1), 0.2, 0, 0)}
+ROWS = {**TABLE2, **NOT_TABLE2}
 PIXEL = 1 / 255
 
 
@@ -42,8 +45,8 @@ def rows_of(aug, n=400, size=24, height=90, width=120, seed=0, epoch=0, view=1):
 # ---------------------------------------------------------------- the table and the draws
 
 def test_table2_and_the_draws_follow_torchvisions_distributions():
-    assert views.AUGMENTATIONS == TABLE2
-    for aug, (p_jitter, jitter, p_gray, p_blur, p_solarize) in TABLE2.items():
+    assert views.AUGMENTATIONS == ROWS
+    for aug, (p_jitter, jitter, p_gray, p_blur, p_solarize) in ROWS.items():
         rows = rows_of(aug, n=4000)
         p = views.Photometric.of(rows)
         for drawn, expected in ((p.jitter, p_jitter), (p.gray, p_gray), (p.sigma > 0, p_blur),
@@ -201,7 +204,7 @@ def reference_chain(x, p, i):
     return TF.solarize(x, 0.5) if p.solarize[i] else x
 
 
-@pytest.mark.parametrize("aug", list(TABLE2))
+@pytest.mark.parametrize("aug", list(ROWS))
 def test_a_view_equals_torchvision_v2_and_pil_from_the_same_parameters(aug, photo):
     """The tensor routes' view (sce.data.pretrain.finish_view: photometric ops, normalisation, dtype, memory
     format) against torchvision's v2 ops image by image; the PIL route (--augment cpu) against the same
@@ -216,8 +219,8 @@ def test_a_view_equals_torchvision_v2_and_pil_from_the_same_parameters(aug, phot
     reference = torch.stack([reference_chain(crops[i] / 255, p, i) for i in range(len(rows))])
     expected = (reference - torch.tensor(ops.MEAN).view(1, 3, 1, 1)) / torch.tensor(ops.STD).view(1, 3, 1, 1)
     assert view.dtype == torch.bfloat16 and view.is_contiguous(memory_format=torch.channels_last)
-    assert (view.float() - expected).abs().max() <= 0.04 + (2 if TABLE2[aug][0] else 1) * PIXEL / 0.225  # bf16
-    if TABLE2[aug][0]:  # the batch mixes applied and skipped ops, and several jitter orders
+    assert (view.float() - expected).abs().max() <= 0.04 + (2 if ROWS[aug][0] else 1) * PIXEL / 0.225  # bf16
+    if ROWS[aug][0]:  # the batch mixes applied and skipped ops, and several jitter orders
         assert 0 < p.jitter.sum() < 24 and len({tuple(o) for o in p.order.tolist()}) > 3
     pil = torch.stack([views.pil_view(photo, views.ViewSpec(aug, 40), r) for r in rows])
     diff = ((pil - view.float()) * torch.tensor(ops.STD).view(1, 3, 1, 1)).abs()

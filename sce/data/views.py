@@ -28,6 +28,8 @@ AUGMENTATIONS = {
     "strong-alpha": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 1.0, 0.0),
     "strong-beta":  (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.1, 0.2),
     "strong-gamma": (0.8, (0.4, 0.4, 0.2, 0.1), 0.2, 0.5, 0.2),
+    # not a row of Table 2: `strong` without its blur, to measure what blurring 32 px images costs
+    "strong-noblur": (0.8, (0.4, 0.4, 0.4, 0.1), 0.2, 0.0, 0.0),
 }
 RRC_RATIO = (3 / 4, 4 / 3)  # aspect ratios of RandomResizedCrop (torchvision's default)
 RRC_ATTEMPTS = 10  # RandomResizedCrop tries 10 (area, ratio) draws, then a central crop
