@@ -15,7 +15,6 @@
 """
 import json
 import os
-import pickle
 import re
 import shlex
 import subprocess
@@ -145,10 +144,9 @@ def split_images(fmt, root, split):
         folder = layouts.official_folder(fmt, root)[1]
         i = 0
         for name in train if split == "train" else test:
-            with open(os.path.join(folder, name), "rb") as f:
-                entry = pickle.load(f, encoding="latin1")
+            entry = layouts.read_batch(os.path.join(folder, name))  # no code a pickle carries runs
             pixels = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-            for image, target in zip(pixels, entry.get("labels", entry.get("fine_labels"))):
+            for image, target in zip(pixels, layouts.labels(entry)):
                 yield i, int(target), lambda image=image: Image.fromarray(image)
                 i += 1
     elif fmt == "stl10":

@@ -5,6 +5,8 @@ binaries (their sizes), Tiny-ImageNet's val annotations (every listed image pres
 import os
 import pickle
 
+import numpy as np
+
 from sce import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
@@ -20,6 +22,7 @@ OFFICIAL_FILES = {
     "stl10": ("stl10_binary", ["train_X.bin", "train_y.bin", "unlabeled_X.bin"], ["test_X.bin", "test_y.bin"], [],
               "STL10")}
 STL_IMAGE = 3 * 96 * 96
+CIFAR_IMAGE = 3 * 32 * 32
 
 
 # ---------------------------------------------------------------- ImageFolder
@@ -133,14 +136,56 @@ def official_sizes(dataset, folder):
                 "val": os.path.getsize(os.path.join(folder, "test_y.bin")),
                 "unlabeled": os.path.getsize(os.path.join(folder, "unlabeled_X.bin")) // STL_IMAGE}
     _, train, test, _, _ = OFFICIAL_FILES[dataset]
-    return {"train": sum(len(labels(os.path.join(folder, n))) for n in train),
-            "val": sum(len(labels(os.path.join(folder, n))) for n in test)}
+    return {"train": sum(len(labels(read_batch(os.path.join(folder, n)))) for n in train),
+            "val": sum(len(labels(read_batch(os.path.join(folder, n)))) for n in test)}
 
 
-def labels(path):
+def labels(entry):
+    """A CIFAR batch's labels (CIFAR-100: its fine labels), or None (the meta file)."""
+    return entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
+
+
+class NotABatch(pickle.UnpicklingError):
+    """A pickle that would call what a CIFAR batch never does (run code): refused before the call."""
+
+
+def _latin1(text, encoding="latin1"):
+    """_codecs.encode as a pickle of protocol 2 calls it for bytes, for latin-1 alone."""
+    if encoding not in ("latin1", "latin-1"):
+        raise NotABatch(f"_codecs.encode(..., {encoding!r})")
+    return text.encode("latin1")
+
+
+def _array_builders():
+    """What a pickle of numpy arrays calls, under each module path numpy 1 or 2 writes (the release's files: numpy
+    1's numpy.core.multiarray._reconstruct), and protocol 2's bytes."""
+    try:
+        from numpy._core import multiarray, numeric  # numpy 2
+    except ImportError:
+        from numpy.core import multiarray, numeric
+    names = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): _latin1}
+    for path in ("numpy.core", "numpy._core"):
+        names[f"{path}.multiarray", "_reconstruct"] = multiarray._reconstruct
+        names[f"{path}.numeric", "_frombuffer"] = numeric._frombuffer
+    return names
+
+
+class _Batch(pickle.Unpickler):
+    """Rebuilds what CIFAR's python batches hold and nothing else: dicts, lists, str, bytes, numbers and numpy
+    arrays. Any other name a pickle refers to (os.system, builtins.eval, ...) is refused before it can be called."""
+    allowed = _array_builders()
+
+    def find_class(self, module, name):
+        if (module, name) not in self.allowed:
+            raise NotABatch(f"{module}.{name}")
+        return self.allowed[module, name]
+
+
+def read_batch(path):
+    """A CIFAR python batch (or meta file) unpickled as the release's Python 2 files need (latin-1), without
+    running code: a pickle that would call anything but numpy's array rebuilding raises NotABatch."""
     with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="latin1")
-    return entry.get("labels", entry.get("fine_labels"))
+        return _Batch(f, encoding="latin1").load()
 
 
 def short_binary(folder, names):
@@ -158,18 +203,26 @@ def short_binary(folder, names):
 
 
 def damaged_batch(folder, names):
-    """'PATH ...' for the first CIFAR batch file cut short or damaged, or holding more images than labels or
-    fewer, else None."""
+    """'PATH ...' for the first CIFAR file cut short or damaged, calling what a batch does not (a pickle that would
+    run code), or a batch whose images are not rows of 3072 bytes as many as its labels, else None."""
     for name in [n for n in names if not n.endswith(".bin")]:
         path = os.path.join(folder, name)
         try:
-            with open(path, "rb") as f:
-                entry = pickle.load(f, encoding="latin1")
+            entry = read_batch(path)
+        except NotABatch as e:
+            return f"{path} is no CIFAR batch: it would call {e} (a pickle that runs code; nothing was run)"
         except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
             return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
-        found = entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
-        if found is not None and len(entry.get("data", ())) != len(found):
-            return f"{path} holds {len(entry['data'])} images for {len(found)} labels"
+        found = labels(entry)
+        if found is None:  # the meta file
+            continue
+        data = entry.get("data")
+        shape, dtype = getattr(data, "shape", None), getattr(data, "dtype", type(data).__name__)
+        if shape is None or len(shape) != 2 or shape[1] != CIFAR_IMAGE or dtype != np.uint8:
+            return (f"{path} holds images of shape {shape} and type {dtype}, not CIFAR's rows of {CIFAR_IMAGE} bytes "
+                    f"(N, {CIFAR_IMAGE}) uint8")
+        if shape[0] != len(found):
+            return f"{path} holds {shape[0]} images for {len(found)} labels"
     return None
 
 

@@ -9,6 +9,7 @@ import os
 import pathlib
 import runpy
 import signal
+import struct
 import subprocess
 import sys
 
@@ -59,10 +60,49 @@ def write_imagefolder(root, num_classes=3, per_class=8, size=32, splits=("train"
     return str(root)
 
 
+def python2_pickle(obj):
+    """`obj` pickled as the CIFAR release's files were (Python 2's cPickle, protocol 2, numpy 1): str as Python 2
+    byte strings, uint8 arrays through numpy.core.multiarray._reconstruct; of dicts, lists, ints, str and arrays."""
+    out = [b"\x80\x02"]
+
+    def string(text):  # a Python 2 str
+        raw = text if isinstance(text, bytes) else text.encode("latin1")
+        out.append(b"U" + bytes([len(raw)]) + raw if len(raw) < 256 else b"T" + struct.pack("<i", len(raw)) + raw)
+
+    def save(x):
+        if isinstance(x, dict):
+            out.append(b"}(")
+            for key, value in x.items():
+                string(key)
+                save(value)
+            out.append(b"u")
+        elif isinstance(x, list):
+            out.append(b"](")
+            for value in x:
+                save(value)
+            out.append(b"e")
+        elif isinstance(x, (str, bytes)):
+            string(x)
+        elif isinstance(x, np.ndarray):
+            assert x.dtype == np.uint8
+            out.append(b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85")
+            string("b")
+            out.append(b"\x87R(K\x01(" + b"".join(b"J" + struct.pack("<i", n) for n in x.shape) + b"tcnumpy\ndtype\n")
+            string("u1")
+            out.append(b"K\x00K\x01\x87R(K\x03")
+            string("|")
+            out.append(b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89")
+            string(np.ascontiguousarray(x).tobytes())
+            out.append(b"tb")
+        else:
+            out.append(b"J" + struct.pack("<i", int(x)))
+    save(obj)
+    return b"".join(out + [b"."])
+
+
 def write_cifar(root, num_classes=10, per_batch=4, seed=0):
-    """CIFAR python batches in the release's layout (cifar-10-batches-py/ or cifar-100-python/ under root), with
-    its meta file, `per_batch` images a batch file; returns the folder."""
-    import pickle
+    """CIFAR python batches in the release's layout and format (cifar-10-batches-py/ or cifar-100-python/ under root,
+    python2_pickle), with its meta file, `per_batch` images a batch file; returns the folder."""
     rng = np.random.default_rng(seed)
     folder, names, key, meta = (("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"],
                                  "labels", ("batches.meta", "label_names")) if num_classes == 10 else
@@ -70,10 +110,10 @@ def write_cifar(root, num_classes=10, per_batch=4, seed=0):
     os.makedirs(os.path.join(root, folder))
     for name in names:
         with open(os.path.join(root, folder, name), "wb") as f:
-            pickle.dump({"data": rng.integers(0, 255, (per_batch, 3072), dtype=np.uint8),
-                         key: [i % num_classes for i in range(per_batch)]}, f)
+            f.write(python2_pickle({"batch_label": name, key: [i % num_classes for i in range(per_batch)],
+                                    "data": rng.integers(0, 255, (per_batch, 3072), dtype=np.uint8)}))
     with open(os.path.join(root, folder, meta[0]), "wb") as f:
-        pickle.dump({meta[1]: [f"class{i}" for i in range(num_classes)]}, f)
+        f.write(python2_pickle({meta[1]: [f"class{i}" for i in range(num_classes)]}))
     return pathlib.Path(root, folder)
 
 

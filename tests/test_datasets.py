@@ -12,7 +12,7 @@ import torchvision.transforms as T
 import torchvision.transforms.functional as TF
 from PIL import Image
 
-from conftest import write_cifar, write_imagefolder
+from conftest import python2_pickle, write_cifar, write_imagefolder
 from sce import UserError
 from sce.data import build_dataset, fingerprint
 from sce.data import images as files
@@ -24,7 +24,7 @@ def test_cifar_batches(tmp_path):
     train = build_dataset("cifar10", str(tmp_path), "train")
     assert len(train) == 20 and train.targets[:4] == [0, 1, 2, 3] and train.classes[3] == "class3"
     with open(folder / "data_batch_1", "rb") as f:
-        raw = pickle.load(f)["data"][1]
+        raw = pickle.load(f, encoding="latin1")["data"][1]
     img, label = train[1]
     assert label == 1 and np.array_equal(np.asarray(img)[:, :, 0], raw[:1024].reshape(32, 32))
     assert len(build_dataset("cifar10", str(tmp_path), "val")) == 4
@@ -40,6 +40,42 @@ def test_cifar_batches(tmp_path):
                                          r"damaged: download CIFAR100 again") as info:
         build_dataset("cifar100", str(tmp_path / "c100"), "val")
     assert "\n" not in str(info.value)
+
+
+class RunsCode:
+    """Unpickled, calls `call(*args)`: what a crafted CIFAR batch carries."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+@pytest.mark.parametrize("call", ["system", "open"])
+def test_cifar_batches_are_read_without_running_their_code(tmp_path, call):
+    """A batch whose pickle would run a command (or write a file) is one line naming the call, nothing run; the
+    release's format (python2_pickle: Python 2 strings, numpy 1's module path) and Python 3's protocols read to the
+    arrays plain pickle gives."""
+    import builtins
+    from sce.layouts import read_batch
+    folder, marker = write_cifar(tmp_path / "data", per_batch=2), tmp_path / "marker"
+    payload = RunsCode(os.system, f"touch {marker}") if call == "system" else RunsCode(builtins.open, str(marker), "w")
+    with open(folder / "data_batch_2", "wb") as f:
+        pickle.dump({"data": payload, "labels": [0, 1]}, f, protocol=2)
+    named = f"{payload.call.__module__}.{call}"  # posix.system, io.open
+    with pytest.raises(UserError, match=rf"data_batch_2 is no CIFAR batch: it would call {named} \(a pickle that "
+                                        r"runs code; nothing was run\): download CIFAR10 again") as info:
+        build_dataset("cifar10", str(tmp_path / "data"), "train")
+    assert "\n" not in str(info.value) and not marker.exists()
+    arrays = {"data": np.arange(2 * 3072, dtype=np.uint8).reshape(2, 3072) % 251, "labels": [3, 7],
+              "filenames": ["a.png", "b.png"]}
+    written = [python2_pickle(arrays)] + [pickle.dumps(arrays, protocol=p) for p in (2, 4, 5)]
+    for data in written:
+        (tmp_path / "batch").write_bytes(data)
+        plain, safe = pickle.loads(data, encoding="latin1"), read_batch(tmp_path / "batch")
+        assert safe.keys() == plain.keys() and safe["labels"] == plain["labels"] == [3, 7]
+        assert safe["data"].dtype == np.uint8 and np.array_equal(safe["data"], plain["data"])
 
 
 def test_stl10_binaries(tmp_path):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, write_cifar, write_imagefolder, write_stl10, write_tiny_imagenet
+from conftest import REPO, python2_pickle, write_cifar, write_imagefolder, write_stl10, write_tiny_imagenet
 import main_pretrain
 from sce import UserError
 from sce.data import build_dataset
@@ -126,10 +126,18 @@ def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
     assert "cifar-10-batches-py/data_batch_3 not found: CIFAR10 needs" in error("cifar10", tmp_path / "cifar")
     folder = write_cifar(str(tmp_path / "cifar90"), 10, per_batch=10)
     with open(os.path.join(folder, "test_batch"), "rb") as f:
-        batch = pickle.load(f)
+        batch = pickle.load(f, encoding="latin1")
     with open(os.path.join(folder, "test_batch"), "wb") as f:
-        pickle.dump(dict(batch, labels=batch["labels"][:9]), f)
+        f.write(python2_pickle(dict(batch, labels=batch["labels"][:9])))
     assert "test_batch holds 10 images for 9 labels: download CIFAR10 again" in error("cifar10", tmp_path / "cifar90")
+    folder = write_cifar(str(tmp_path / "rows"), 10, per_batch=10)  # rows of 3000 bytes, as many as the labels
+    with open(os.path.join(folder, "data_batch_2"), "wb") as f:
+        f.write(python2_pickle({"data": np.zeros((10, 3000), np.uint8), "labels": list(range(10))}))
+    short = ("data_batch_2 holds images of shape (10, 3000) and type uint8, not CIFAR's rows of 3072 bytes (N, 3072) "
+             "uint8: download CIFAR10 again")
+    assert short in error("cifar10", tmp_path / "rows")
+    with pytest.raises(UserError, match=re.escape(short)):  # the scripts' reader: the same line
+        build_dataset("cifar10", str(tmp_path / "rows"), "train")
     root = write_tiny_imagenet(str(tmp_path / "tiny" / "tiny-imagenet-200"))
     os.remove(os.path.join(root, "val", "images", "val_4.JPEG"))
     assert "val_4.JPEG, listed on line 5 of" in error("tiny-imagenet", tmp_path / "tiny")

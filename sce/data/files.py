@@ -8,12 +8,12 @@ import os
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets import CIFAR10, CIFAR100, STL10, ImageFolder
+from torchvision.datasets import STL10, ImageFolder
 
 from sce import UserError
 from sce.data.images import READERS, load_rgb
-from sce.layouts import (OFFICIAL_FILES, TINY_REMEDY, class_folders, list_images, no_images, official_folder,
-                         tiny_imagenet_val)
+from sce.layouts import (OFFICIAL_FILES, TINY_REMEDY, class_folders, labels, list_images, no_images, official_folder,
+                         read_batch, tiny_imagenet_val)
 from sce.metrics import VOC_CLASSES
 
 IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
@@ -76,31 +76,34 @@ class TinyImageNetVal(Dataset):
         return self.samples[i][0]
 
 
-# torchvision reads CIFAR and STL10. Its classes compare every file with the official release's md5
-
-
-# first: that hashes all of STL10 (3 GB) at each start and refuses valid files that are not those
-
-
-# exact bytes (a re-export, the small files of our tests). An md5 of None makes torchvision's
-
-
-# check_integrity test only that the file exists; a malformed file still fails when it is read.
-
-
+# torchvision reads STL10. Its classes compare every file with the official release's md5 first: that hashes all of
+# STL10 (3 GB) at each start and refuses valid files that are not those exact bytes (a re-export, the small files of
+# our tests). An md5 of None makes torchvision's check_integrity test only that the file exists; a malformed file
+# still fails when it is read.
 def _no_md5(files):
     return [[name, None] for name, _ in files]
 
 
-class CIFAR10Files(CIFAR10):
-    """torchvision's CIFAR10 without the md5 check."""
-    train_list, test_list, meta = _no_md5(CIFAR10.train_list), _no_md5(CIFAR10.test_list), dict(CIFAR10.meta, md5=None)
+class CIFARFiles(Dataset):
+    """CIFAR-10's or CIFAR-100's python batches as torchvision's CIFAR10 / CIFAR100 hold them (`data` (N, 32, 32, 3)
+    uint8, `targets`, `classes`; an item is a PIL image and its label), but unpickled by sce.layouts.read_batch:
+    torchvision's plain pickle.load would run the code a crafted batch carries."""
 
+    def __init__(self, root, train, transform=None, name="cifar10"):
+        base, train_files, test_files, meta, _ = OFFICIAL_FILES[name]
+        entries = [read_batch(os.path.join(root, base, name)) for name in (train_files if train else test_files)]
+        self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        self.targets = [int(t) for e in entries for t in labels(e)]
+        names = read_batch(os.path.join(root, base, meta[0]))
+        self.classes = names["label_names" if name == "cifar10" else "fine_label_names"]
+        self.transform = transform
 
-class CIFAR100Files(CIFAR100):
-    """torchvision's CIFAR100 without the md5 check."""
-    train_list, test_list = _no_md5(CIFAR100.train_list), _no_md5(CIFAR100.test_list)
-    meta = dict(CIFAR100.meta, md5=None)
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        img = Image.fromarray(self.data[i])
+        return (self.transform(img) if self.transform else img), self.targets[i]
 
 
 class STL10Files(STL10):
@@ -112,7 +115,7 @@ class STL10Files(STL10):
         self.targets = self.labels.astype(int).tolist()
 
 
-def _torchvision_dataset(cls, dataset, root, **kwargs):
+def _official(cls, dataset, root, **kwargs):
     """cls(root / the files' folder), its files checked first (sce.layouts.official_folder: a missing, short or
     damaged file named in one line)."""
     root, folder = official_folder(dataset, root)
@@ -127,15 +130,15 @@ def _torchvision_dataset(cls, dataset, root, **kwargs):
 
 
 def read_cifar(root, train, num_classes=10, transform=None):
-    """CIFAR python batches (cifar-10-batches-py/ or cifar-100-python/ under root), via torchvision."""
-    cls, dataset = (CIFAR10Files, "cifar10") if num_classes == 10 else (CIFAR100Files, "cifar100")
-    return _torchvision_dataset(cls, dataset, root, train=train, transform=transform)
+    """CIFAR python batches (cifar-10-batches-py/ or cifar-100-python/ under root)."""
+    dataset = "cifar10" if num_classes == 10 else "cifar100"
+    return _official(CIFARFiles, dataset, root, name=dataset, train=train, transform=transform)
 
 
 def read_stl10(root, split, transform=None):
     """STL10 binaries (stl10_binary/ under root), via torchvision; split: train, test, unlabeled
     or train+unlabeled (the train images first)."""
-    return _torchvision_dataset(STL10Files, "stl10", root, split=split, transform=transform)
+    return _official(STL10Files, "stl10", root, split=split, transform=transform)
 
 
 def build_dataset(name, root, split="train", transform=None, class_list=None, read="pil"):
