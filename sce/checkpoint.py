@@ -21,10 +21,10 @@ from sce.builder import build_trunk
 from sce.compiling import error_line
 
 
-def save_atomic(obj, path):
+def save_atomic(obj, path, second=None):
     """torch.save to a temporary file in the same folder, fsync, then rename over `path`: a crash or a
-    full disk leaves the previous file intact."""
-    write_atomic(path, lambda f: torch.save(obj, f))
+    full disk leaves the previous file intact. `second`: another name of the new file (write_atomic)."""
+    write_atomic(path, lambda f: torch.save(obj, f), second)
 
 
 def copy_atomic(source, path):
@@ -35,8 +35,10 @@ def copy_atomic(source, path):
     write_atomic(path, copy)
 
 
-def write_atomic(path, write):
-    """write(f) into a temporary file beside `path`, fsync, then rename over `path`."""
+def write_atomic(path, write, second=None):
+    """write(f) into a temporary file beside `path`, fsync, then rename over `path`. `second`: a second name of the new
+    file (link_atomic), made before the rename: a kill between the two leaves the new file under `second` and the
+    previous one under `path`, never `path` replaced without its second name; a failure leaves neither changed."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
     # temp files of writers killed mid-write (SIGKILL, OOM): each is a full checkpoint, they would fill the disk;
@@ -53,12 +55,18 @@ def write_atomic(path, write):
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if second:
+            link_atomic(tmp, second)
         os.replace(tmp, path)
         dir_fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    except UserError:  # the second name's copy failed (a full disk), and said so
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     except Exception as e:  # a full disk is not always an OSError: torch.save says "unexpected pos"
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -79,14 +87,17 @@ def refuse_fewer_epochs(path, epoch, step_in_epoch, epochs):
 
 def save(state, output_dir, numbered=False, keep=0):
     """checkpoint_last.pth, plus checkpoint_NNNN.pth (NNNN = completed epochs) when `numbered`, a second name of
-    the same file; keep > 0 keeps only the newest `keep` numbered copies."""
-    last = os.path.join(output_dir, "checkpoint_last.pth")
-    save_atomic(state, last)
-    if numbered:
-        link_atomic(last, os.path.join(output_dir, f"checkpoint_{state['epoch']:04d}.pth"))
-        if keep > 0:
-            for old in sorted(numbered_checkpoints(output_dir))[:-keep]:
-                os.remove(old)
+    the same file made before checkpoint_last.pth is replaced (no kill loses it); keep > 0 keeps only the newest
+    `keep` numbered copies."""
+    second = numbered_path(output_dir, state["epoch"]) if numbered else None
+    save_atomic(state, os.path.join(output_dir, "checkpoint_last.pth"), second)
+    if numbered and keep > 0:
+        for old in sorted(numbered_checkpoints(output_dir))[:-keep]:
+            os.remove(old)
+
+
+def numbered_path(output_dir, epoch):
+    return os.path.join(output_dir, f"checkpoint_{epoch:04d}.pth")
 
 
 def link_atomic(source, path):

@@ -108,6 +108,17 @@ def check_mid_epoch(path, ckpt, args, data):
                         "data it ran on, or from an epoch-end checkpoint")
 
 
+def renumber(path, output_dir, epoch, saved):
+    """The numbered copy of the epoch-end checkpoint `path` (this folder's checkpoint_last.pth) made again where a kill
+    lost it: earlier versions named it after checkpoint_last.pth was replaced, and a kill between the two lost it."""
+    numbered, last = checkpoint.numbered_path(output_dir, epoch), os.path.join(output_dir, "checkpoint_last.pth")
+    due = epoch > 0 and (epoch % saved.get("save_freq", 10) == 0 or epoch == saved.get("epochs"))
+    if due and not os.path.exists(numbered) and os.path.exists(last) and os.path.samefile(path, last):
+        checkpoint.link_atomic(path, numbered)
+        print(f"=> {os.path.basename(numbered)} was lost by a kill after its checkpoint was saved: made again",
+              flush=True)
+
+
 def resume(args, model, optimizer, scaler, rank, data=None):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
     the checkpoint's epoch_stats and epoch_sums (None without a checkpoint, or one older than them). An --epochs
@@ -139,6 +150,8 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     checkpoint.refuse_fewer_epochs(path, epoch, step, args.epochs)
     if rank == 0:
         print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
+        if step == 0:
+            renumber(path, args.output_dir, epoch, saved)
     saved_gpus, gpus = len(ckpt["rng"]["cuda"]), torch.cuda.device_count() if torch.cuda.is_available() else 0
     if saved_gpus == gpus > 0:
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])

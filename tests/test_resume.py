@@ -33,12 +33,20 @@ def test_resume_equals_uninterrupted_run(small, tmp_path, capsys):
            "--lambda-warmup-start", "0.1"]
     pretrain(small, tmp_path / "a", "--epochs", 2, *lam)
     capsys.readouterr()
-    pretrain(small, tmp_path / "b", "--epochs", 2, "--stop-after-epochs", 1, *lam)
+    pretrain(small, tmp_path / "b", "--epochs", 2, "--stop-after-epochs", 1, "--save-freq", 1, *lam)
     first = capsys.readouterr().out
     assert "stopping after 1 epoch" in first
     assert load(tmp_path / "b" / "checkpoint_last.pth")["epoch"] == 1
-    pretrain(small, tmp_path / "b", "--epochs", 2, *lam)
-    assert "resuming from" in capsys.readouterr().out
+    # what a kill between the save of checkpoint_last.pth and its numbered name left (earlier versions named it after):
+    # no checkpoint_0001.pth, and no line in log.txt; the rerun makes both again
+    saved = (tmp_path / "b" / "checkpoint_last.pth").read_bytes()
+    os.remove(tmp_path / "b" / "checkpoint_0001.pth")
+    (tmp_path / "b" / "log.txt").write_text("".join(open(tmp_path / "b" / "log.txt").readlines()[:-1]))
+    pretrain(small, tmp_path / "b", "--epochs", 2, "--save-freq", 1, *lam)
+    again = capsys.readouterr().out
+    assert "resuming from" in again and "log.txt lacks epoch 1" in again
+    assert "=> checkpoint_0001.pth was lost by a kill after its checkpoint was saved: made again" in again
+    assert (tmp_path / "b" / "checkpoint_0001.pth").read_bytes() == saved
     a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
     assert_same_state(a["model"], b["model"])
@@ -76,11 +84,11 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     # the stop comes (at epoch 2's first step); the stop waits for it, then saves its own
     real, saves = checkpoint.save_atomic, []
 
-    def slow(state, path):
+    def slow(state, path, second=None):
         logged = open(os.path.join(os.path.dirname(path), "log.txt")).read().count("\n") if os.path.isfile(
             os.path.join(os.path.dirname(path), "log.txt")) else 0
         time.sleep(0.5)
-        real(state, path)
+        real(state, path, second)
         saves.append((state["epoch"], state["step_in_epoch"], logged))
     with monkeypatch.context() as m:
         m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
@@ -281,17 +289,29 @@ def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
 
 
 def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp_path, monkeypatch):
-    """The numbered checkpoint is checkpoint_last.pth's file under a second name (nothing written twice), and keeps
-    its bytes when the next save replaces checkpoint_last.pth. Where the file system has no hard links it is a copy
-    (checkpoint.copy_atomic); that copy failing on a full disk: one line naming it, checkpoint_last.pth written
-    whole, no numbered file and no temporary file left."""
-    checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)
-    last, numbered = tmp_path / "checkpoint_last.pth", tmp_path / "checkpoint_0010.pth"
-    assert os.path.samefile(last, numbered)
+    """The numbered checkpoint is checkpoint_last.pth's file under a second name (nothing written twice), made before
+    checkpoint_last.pth is replaced (a kill between the two keeps both epochs), and keeps its bytes when the next save
+    replaces checkpoint_last.pth. Where the file system has no hard links it is a copy (checkpoint.copy_atomic); that
+    copy failing on a full disk: one line naming it, the previous checkpoint_last.pth kept, no numbered file and no
+    temporary file left."""
+    checkpoint.save({"epoch": 9}, str(tmp_path))
+    real_replace, last = os.replace, tmp_path / "checkpoint_last.pth"
+
+    def killed_at_the_rename(src, dst):
+        if dst == str(last):
+            raise SystemExit("killed")  # not an Exception: nothing is cleaned up, as after a kill
+        real_replace(src, dst)
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed_at_the_rename)
+        with pytest.raises(SystemExit):
+            checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)
+    numbered = tmp_path / "checkpoint_0010.pth"
+    assert checkpoint.load(str(numbered))["epoch"] == 10 and checkpoint.load(str(last))["epoch"] == 9
+    checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)  # the rerun's save; the dead one's temporary removed
+    assert os.path.samefile(last, numbered) and sorted(os.listdir(tmp_path)) == [numbered.name, last.name]
     checkpoint.save({"epoch": 11}, str(tmp_path))
     assert checkpoint.load(str(numbered))["epoch"] == 10 and checkpoint.load(str(last))["epoch"] == 11
-    for f in tmp_path.iterdir():
-        f.unlink()
+    numbered.unlink()
 
     def no_links(src, dst):
         raise OSError(errno.EPERM, os.strerror(errno.EPERM))
@@ -302,11 +322,11 @@ def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp
     monkeypatch.setattr(os, "link", no_links)
     monkeypatch.setattr(shutil, "copyfileobj", full_disk)
     with pytest.raises(UserError) as err:
-        checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)
+        checkpoint.save({"epoch": 20}, str(tmp_path), numbered=True)
     message = str(err.value)
-    assert "\n" not in message and f"could not write checkpoint {tmp_path / 'checkpoint_0010.pth'}" in message
+    assert "\n" not in message and f"could not write checkpoint {tmp_path / 'checkpoint_0020.pth'}" in message
     assert "No space left on device" in message
-    assert checkpoint.load(str(tmp_path / "checkpoint_last.pth"))["epoch"] == 10
+    assert checkpoint.load(str(last))["epoch"] == 11
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.pth"]
 
 
