@@ -95,8 +95,10 @@ def main(argv=None):
                 "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter,
                 "--dist-timeout": args.dist_timeout}
     at_least_zero = {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
-                     "--warmup-epochs": args.warmup_epochs, "--seed": args.seed}
+                     "--warmup-epochs": args.warmup_epochs}
     cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
+    cli.check_seed(args.seed)
+    data.data_folder(args.data)  # before the output folder is bound to it
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
     last = os.path.join(args.output_dir, "checkpoint_last.pth")

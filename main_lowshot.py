@@ -80,7 +80,9 @@ def main(argv=None):
     cli.check_finite(args)
     cli.check_ranges({"--runs": args.runs, "--costs": min(args.costs), "--resize": args.resize,
                       "--crop-size": args.crop_size, "--batch-size": args.batch_size},
-                     {"--workers": args.workers, "--seed": args.seed})
+                     {"--workers": args.workers})
+    cli.check_seed(args.seed, 2 ** 32 - 1, " (scikit-learn's cross-validation takes 32-bit seeds)")
+    data.data_folder(args.data)  # before the output folder is bound to it
     if args.cost_selection == "cv" and args.cv_folds < 2:
         raise UserError(f"--cv-folds must be at least 2 (got {args.cv_folds})")
     if args.cost_selection == "cv" and any(k != "full" and k < 2 for k in args.shots):

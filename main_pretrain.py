@@ -185,7 +185,7 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
                 "--pred-hidden-dims": min(args.pred_hidden_dims, default=1), "--knn-k": args.knn_k,
                 "--knn-t": args.knn_t, "--dist-timeout": args.dist_timeout, "--bn-splits": args.bn_splits,
                 "--knn-max-train": args.knn_max_train}
-    at_least_zero = {"--seed": args.seed, "--workers": args.workers, "--lr": args.lr,
+    at_least_zero = {"--workers": args.workers, "--lr": args.lr,
                      "--weight-decay": args.weight_decay,
                      "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
                      "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,
@@ -194,6 +194,7 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
                      "--lambda-warmup-start": args.lambda_warmup_start, "--ema-momentum": args.ema_momentum,
                      "--sgd-momentum": args.sgd_momentum}
     cli.check_ranges(positive, at_least_zero, unit_interval)
+    cli.check_seed(args.seed)
     scales = [(args.min_scale, 1.0)] + list(zip(args.local_crop_scales[::2], args.local_crop_scales[1::2]))
     if not all(0 < low <= high <= 1 for low, high in scales):
         raise UserError(f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) "
@@ -247,6 +248,7 @@ def main(argv=None):
     rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
     resolve_device_defaults(args, device, world_size)
     bn_splits = check_args(args, world_size, device)
+    data.data_folder(args.data)
     args.split_bn = args.split_bn if bn_splits > 1 else None  # recorded as the run applies it: None, no split BN
     if world_size > 1:
         check_ranks_agree(args)

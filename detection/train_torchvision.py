@@ -267,7 +267,8 @@ def main():
                       "--print-freq": args.print_freq, "--min-size": args.min_size, "--max-size": args.max_size,
                       "--rois-per-image": args.rois_per_image},
                      {"--lr": args.lr, "--weight-decay": args.weight_decay, "--momentum": args.momentum,
-                      "--workers": args.workers, "--max-iters": args.max_iters, "--seed": args.seed})
+                      "--workers": args.workers, "--max-iters": args.max_iters})
+    cli.check_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     last = os.path.join(args.output_dir, "checkpoint_last.pth")
     if args.resume and not os.path.isfile(last):

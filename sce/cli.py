@@ -96,6 +96,17 @@ def check_ranges(positive=(), at_least_zero=(), unit_interval=()):
             raise UserError(f"{flag} must lie in [0, 1] (got {value})")
 
 
+# every use of --seed takes it: torch.manual_seed (and seed + epoch), random.seed, numpy's uint64 hashes of
+# (seed, epoch, index) and SeedSequence; 2**64 and above would overflow or wrap round to another seed's draws
+SEED_MAX = 2 ** 63 - 1
+
+
+def check_seed(seed, most=SEED_MAX, why=""):
+    """A one-line error for a --seed outside [0, most]."""
+    if not 0 <= seed <= most:
+        raise UserError(f"--seed must lie in [0, {most}]{why} (got {seed})")
+
+
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -176,7 +176,9 @@ def test_bad_input_is_one_line(data, tmp_path, capsys):
     (["--lambda-end", "1.5"], "must lie in \\[0, 1\\]"),
     (["--lambda-schedule", "cosine", "--method", "moco"], "need the SCE loss"),
     (["--crop-size", "6"], "too small to blur"),
-    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", "-1"], r"--seed must lie in \[0, 9223372036854775807\] \(got -1\)"),
+    (["--seed", "99999999999999999999"], r"--seed must lie in \[0, 9223372036854775807\] \(got 9999"),
+    (["--seed", str(2 ** 64)], r"--seed must lie in \[0, 9223372036854775807\]"),  # seed 0's order, before
     (["--print-freq", "0"], "--print-freq must be positive"),
     (["--workers", "-1"], "--workers must be >= 0"),
     (["--save-freq", "0"], "--save-freq must be positive"),
@@ -390,3 +392,31 @@ def test_a_checkpoint_path_that_is_a_directory_says_so(data, tmp_path):
                                             f"{re.escape(os.path.join(str(tmp_path), 'checkpoint_last.pth'))}"):
             main_lincls.main(["--data", data, flag, str(tmp_path), "--workers", "0",
                               "--output-dir", str(tmp_path / "out")])
+
+
+def test_data_that_is_a_file_says_so(pretrained, data, tmp_path):
+    """--data naming a checkpoint or an image: one line naming it, for each script (NotADirectoryError before), and
+    the evaluation's output folder is not bound to it (a rerun with the right --data proceeds)."""
+    line = f"data path '{pretrained}' is a file, not a folder: pass the folder that holds the dataset as --data DIR"
+    out = str(tmp_path / "out")
+    one_line(main_pretrain.main, ["--data", pretrained, "--output-dir", out] + TINY, line)
+    one_line(main_lincls.main, ["--data", pretrained, "--pretrained", pretrained, "--knn", "--output-dir", out], line)
+    one_line(main_lowshot.main, ["--data", pretrained, "--pretrained", pretrained, "--output-dir", out], line)
+    assert not os.path.exists(os.path.join(out, "evaluated.json"))
+    image = os.path.join(data, "train", "class_0", "0.png")
+    one_line(main_pretrain.main, ["--data", image, "--output-dir", out, "--dataset", "cifar10"] + TINY,
+             f"data path '{image}' is a file, not a folder")
+
+
+def test_seeds_in_range_serve_every_use_and_others_are_one_line(tmp_path):
+    """Every use of the seed takes the largest accepted one (torch's generators with an epoch added, the views' and
+    the orders' hashes); main_lincls.py refuses beyond it, main_lowshot.py beyond 32 bits (scikit-learn's folds)."""
+    from sce.data import samplers, views
+    seed = cli.SEED_MAX
+    torch.Generator().manual_seed(seed + 10 ** 6)
+    assert samplers.order_seed(seed, 3) != samplers.order_seed(0, 3)
+    assert not np.array_equal(views.uniforms(seed, 3, [0, 1], 0), views.uniforms(0, 3, [0, 1], 0))
+    base = ["--data", str(tmp_path), "--pretrained", str(tmp_path / "missing.pth"), "--output-dir", str(tmp_path / "o")]
+    one_line(main_lincls.main, base + ["--seed", str(2 ** 63)], "--seed must lie in [0, 9223372036854775807] (got")
+    one_line(main_lowshot.main, base + ["--seed", str(2 ** 32)],
+             "--seed must lie in [0, 4294967295] (scikit-learn's cross-validation takes 32-bit seeds) (got 4294967296)")

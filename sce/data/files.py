@@ -141,12 +141,20 @@ def read_stl10(root, split, transform=None):
     return _official(STL10Files, "stl10", root, split=split, transform=transform)
 
 
+def data_folder(root):
+    """A UserError unless `root` (--data) is a folder."""
+    if not root or not os.path.exists(root):
+        raise UserError(f"data path {root!r} does not exist: pass --data DIR")
+    if not os.path.isdir(root):
+        raise UserError(f"data path {root!r} is a file, not a folder: pass the folder that holds the dataset as "
+                        "--data DIR")
+
+
 def build_dataset(name, root, split="train", transform=None, class_list=None, read="pil"):
     """split: 'pretrain' (STL10: train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10).
     read: how image files are read (READERS): PIL images, uint8 tensors, or plain JPEGs left encoded for the
     device's decoder; CIFAR and STL10 images are PIL images."""
-    if not root or not os.path.exists(root):
-        raise UserError(f"data path {root!r} does not exist: pass --data DIR")
+    data_folder(root)
     if name not in DATASETS:
         raise UserError(f"unknown dataset '{name}': use one of {', '.join(DATASETS)}")
     train = split in ("pretrain", "train")
@@ -173,6 +181,7 @@ def build_dataset(name, root, split="train", transform=None, class_list=None, re
 def read_voc07(root, split):
     """Image paths and a (N, 20) int8 label matrix (1 / -1 / 0 = difficult) of a VOC2007 split
     (trainval, test, train, val), from ImageSets/Main/<class>_<split>.txt."""
+    data_folder(root)
     main = os.path.join(root, "ImageSets", "Main")
     names, columns = None, []
     for cls in VOC_CLASSES:
