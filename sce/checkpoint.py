@@ -226,6 +226,11 @@ def load(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        refused = re.search(r"WeightsUnpickler error: (.+?)\.?( Please|$)", str(e), re.M)
+        if refused:  # not torch's advice (a load that is not weights-only), which would run the file's code
+            raise UserError(f"{path} is not a checkpoint of ours: it holds objects a weights-only load refuses "
+                            f"({refused[1]}); open such a file otherwise only if it comes from a source you trust") \
+                from None
         raise UserError(f"{path} is not a readable PyTorch checkpoint ({error_line(e)})") from None
     if not isinstance(ckpt, dict):
         raise UserError(f"{path} holds a {type(ckpt).__name__}, expected a checkpoint dict")

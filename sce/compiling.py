@@ -7,10 +7,18 @@ import warnings
 import torch
 
 
-def error_line(e):
-    """The cause of an error in one line; of a failed compile, the compiler's (BackendCompilerFailed wraps it)."""
+def error_line(e, most=200):
+    """The cause of an error in one line (its first), of at most `most` characters cut after a sentence (else a
+    clause, else a word); of a failed compile, the compiler's (BackendCompilerFailed wraps it)."""
     e = getattr(e, "inner_exception", e)
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0].strip()
+    if len(line) <= most:
+        return line
+    for end, kept in ((". ", 1), ("; ", 0), (", ", 0), (" ", 0)):
+        at = line.rfind(end, 0, most - 3)
+        if at > 0:
+            return line[:at + kept] + ("" if kept else "...")
+    return line[:most - 3] + "..."
 
 
 def graphs_compiled():

@@ -22,6 +22,7 @@ import main_lowshot
 import main_pretrain
 from sce import UserError, cli
 from sce.builder import build_trunk
+from sce.compiling import error_line
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
@@ -99,6 +100,17 @@ def test_a_file_that_is_no_checkpoint(tmp_path):
                                 "--output-dir", str(tmp_path / "o")],
              "notes.pth is not a PyTorch checkpoint (it begins 'hello, these are my note', not as a file of "
              "torch.save)")
+    # a file cut short: torch's reason, ended where a sentence ends (its third sentence would pass 200 characters)
+    torch.save({"kind": "lincls", "model": {"w": torch.zeros(1000)}}, tmp_path / "cut.pth")
+    whole = (tmp_path / "cut.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(whole[:len(whole) // 2])
+    message = one_line(main_lincls.main, ["--data", data, "--pretrained", str(tmp_path / "cut.pth"), "--knn",
+                                          "--output-dir", str(tmp_path / "o")], "cut.pth is not a readable PyTorch "
+                       "checkpoint (PytorchStreamReader failed reading zip archive: failed finding central directory.")
+    assert message.endswith(".)"), message
+    sentences = "The first sentence says what failed. A second one says more. " * 2
+    assert error_line(RuntimeError(sentences + "x" * 100)) == sentences.strip()  # cut after a sentence
+    assert error_line(RuntimeError("a clause, " * 30)) == "a clause, " * 18 + "a clause..."  # else after a clause
 
 
 @pytest.mark.parametrize("extra,match", [
