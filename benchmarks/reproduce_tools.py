@@ -113,20 +113,21 @@ SMOKE_CLASSES, SMOKE_IMAGES = 10, {"train": 16, "val": 8}
 
 def smoke(env_file, folder):
     """The first SMOKE_CLASSES classes' first images of each split, as PNG files of an ImageFolder (the same
-    files at every rerun, so that a stopped SMOKE run resumes); env_file then points at it."""
+    files at every rerun, so that a stopped SMOKE run resumes), of the classes both splits hold (a class folder
+    without images is refused, as torchvision refuses it); env_file then points at it."""
     env = read_env(env_file)
     if not os.path.isfile(os.path.join(folder, ".complete")):
-        for split in SMOKE_IMAGES:
-            taken = {}
+        taken = {split: {} for split in SMOKE_IMAGES}  # split -> class -> [(index, image)]
+        for split, classes in taken.items():
             for i, target, image in split_images(env["FORMAT"], env["ROOT"], split):
-                if target < SMOKE_CLASSES and taken.get(target, 0) < SMOKE_IMAGES[split]:
-                    taken[target] = taken.get(target, 0) + 1
-                    os.makedirs(os.path.join(folder, split, f"class_{target:03d}"), exist_ok=True)
+                if target < SMOKE_CLASSES and len(classes.setdefault(target, [])) < SMOKE_IMAGES[split]:
+                    classes[target].append((i, image))
+        both = set(taken["train"]) & set(taken["val"])
+        for split, classes in taken.items():
+            for target in sorted(both):
+                os.makedirs(os.path.join(folder, split, f"class_{target:03d}"), exist_ok=True)
+                for i, image in classes[target]:
                     image().save(os.path.join(folder, split, f"class_{target:03d}", f"{i:06d}.png"))
-        classes = set(os.listdir(os.path.join(folder, "train"))) | set(os.listdir(os.path.join(folder, "val")))
-        for split in SMOKE_IMAGES:  # the same class folders in both (an empty one where a split has none)
-            for name in classes:
-                os.makedirs(os.path.join(folder, split, name), exist_ok=True)
         open(os.path.join(folder, ".complete"), "w").close()
     count = {split: sum(len(files) for _, _, files in os.walk(os.path.join(folder, split))) for split in SMOKE_IMAGES}
     print(f"=> SMOKE: {count['train']} train / {count['val']} val images of {env['FORMAT']}'s first {SMOKE_CLASSES} "

@@ -45,11 +45,13 @@ def list_images(directory, class_to_idx, is_valid=None):
     then sorted files, links followed; raising a UserError at a folder loop, which torchvision would read over and
     over (64 images read as 2,624). A folder loops when its real path is that of a folder on the way in to it, or
     holds one (a link to DATA or / above it): the walk keeps the real paths of its way alone, one realpath a
-    folder, so a folder of 1.28M files costs no more than its listing."""
+    folder, so a folder of 1.28M files costs no more than its listing. The files of other kinds (a GIF, which PIL
+    reads and torchvision's ImageFolder does not) are said, a line a kind; a class folder without an image is
+    refused as torchvision refuses it (none at all: the caller's no_images)."""
     is_valid = is_valid or (lambda path: path.lower().endswith(IMAGE_EXTENSIONS))
-    top, samples = os.path.realpath(directory), []
+    top, samples, skipped, empty = os.path.realpath(directory), [], {}, []
     for name in sorted(class_to_idx):
-        target = os.path.join(directory, name)
+        target, found = os.path.join(directory, name), len(samples)
         if not os.path.isdir(target):
             continue
         ways = {target: _walk_step(target, (top,), directory)}  # folder -> the real paths on the way in to it
@@ -60,7 +62,20 @@ def list_images(directory, class_to_idx, is_valid=None):
                 ways[os.path.join(root, folder)] = _walk_step(os.path.join(root, folder), way, directory)
             walked.append((root, names))
         for root, names in sorted(walked):
-            samples += [(p, class_to_idx[name]) for p in (os.path.join(root, n) for n in sorted(names)) if is_valid(p)]
+            for path in (os.path.join(root, n) for n in sorted(names)):
+                if is_valid(path):
+                    samples.append((path, class_to_idx[name]))
+                elif not os.path.basename(path).startswith("."):
+                    kind = os.path.splitext(path)[1].lower() or "(no extension)"
+                    skipped[kind] = skipped.get(kind, 0) + 1
+        if len(samples) == found:
+            empty.append(target)
+    for kind, count in sorted(skipped.items()):
+        print(f"=> {directory}: {count} {kind} file(s) skipped, not of the kinds ImageFolder reads "
+              f"({' '.join(IMAGE_EXTENSIONS)})", flush=True)
+    if empty and samples:
+        raise UserError(f"the class folder {empty[0]} holds no image ({len(empty)} of the {len(class_to_idx)} hold "
+                        f"none; ImageFolder reads {' '.join(IMAGE_EXTENSIONS)}): add images or remove the folder")
     return samples
 
 

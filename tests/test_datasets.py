@@ -181,6 +181,30 @@ def test_missing_and_empty_data(tmp_path):
         build_dataset("imagefolder", str(tmp_path / "empty"), "pretrain")
 
 
+def test_files_of_other_kinds_are_said_and_an_empty_class_folder_is_refused(tmp_path, capsys):
+    """A palette GIF (PIL reads it, torchvision's ImageFolder does not) and a text file are skipped as torchvision
+    skips them, a line a kind with its count; a class folder without an image is one line, as torchvision's
+    ImageFolder refuses it."""
+    from torchvision.datasets import ImageFolder
+    data = write_imagefolder(tmp_path / "data", 2, 3, 16, splits=("",))
+    Image.new("P", (16, 16)).save(os.path.join(data, "class_0", "palette.gif"))
+    Image.new("P", (16, 16)).save(os.path.join(data, "class_1", "other.GIF"))
+    (tmp_path / "data" / "class_1" / "notes.txt").write_text("not an image")
+    ds = build_dataset("imagefolder", data, "pretrain")
+    assert ds.samples == ImageFolder(data).samples and len(ds) == 6
+    out = capsys.readouterr().out
+    kinds = ".jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp"
+    assert f"=> {data}: 2 .gif file(s) skipped, not of the kinds ImageFolder reads ({kinds})" in out
+    assert f"=> {data}: 1 .txt file(s) skipped" in out
+    os.makedirs(os.path.join(data, "class_2"))
+    with pytest.raises(FileNotFoundError):  # torchvision's
+        ImageFolder(data)
+    with pytest.raises(UserError, match=re.escape(f"the class folder {os.path.join(data, 'class_2')} holds no image "
+                                                  f"(1 of the 3 hold none; ImageFolder reads {kinds}): add images "
+                                                  "or remove the folder")):
+        build_dataset("imagefolder", data, "pretrain")
+
+
 def test_the_fingerprint_tells_datasets_of_one_size_apart(tmp_path):
     """A mid-epoch resume compares it: the file names and labels of a folder, the labels and pixels of CIFAR's
     arrays; the folder's place on disk does not count."""

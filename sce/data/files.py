@@ -21,7 +21,7 @@ DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-
 
 
 class Folder(ImageFolder):
-    """ImageFolder that reads with one of READERS, tolerates empty class folders, skips hidden ones, can keep
+    """ImageFolder that reads with one of READERS, refuses an empty class folder, skips hidden ones, can keep
     only the classes of a list file (ImageNet100), and refuses a folder loop. torchvision walks the class folders
     following symbolic links (followlinks=True), so a link back up the tree (class_a/loop -> .. or -> DATA/train)
     would read the same images over and over, silently (64 images read as 2,624). A loop is refused with one
