@@ -5,6 +5,8 @@ logistic regression (--classifier logreg).
     python main_lincls.py --data DATA --pretrained OUT/checkpoint_last.pth
     torchrun --nproc_per_node 8 main_lincls.py --data IMAGENET --pretrained ... --schedule cosine
 """
+import sce  # first: a stop signal during the imports below (torch's take seconds) is said, exit 75
+sce.stop_while_importing(__name__ == "__main__")
 import argparse
 import os
 

@@ -18,6 +18,8 @@ cost of --costs with the best mean test mAP. That picks a hyper-parameter on the
 optimistic. '--cost-selection cv' instead picks, for each draw, the cost with the best
 cross-validated mAP on the training draw itself and evaluates only that cost on the test set.
 """
+import sce  # first: a stop signal during the imports below (torch's take seconds) is said, exit 75
+sce.stop_while_importing(__name__ == "__main__")
 import argparse
 import os
 

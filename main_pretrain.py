@@ -7,6 +7,8 @@
 Defaults are the paper's ImageNet recipe against the baselines (Sec. 4.2); RECIPES.md has
 the command of every setting of the paper.
 """
+import sce  # first: a stop signal during the imports below (torch's take seconds) is said, exit 75
+sce.stop_while_importing(__name__ == "__main__")
 import argparse
 import functools
 import os

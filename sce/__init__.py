@@ -1,9 +1,32 @@
 """Similarity Contrastive Estimation (SCE) and its baselines MoCo v2 and ReSSL."""
 import os
+import signal
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal (after saving); run the same command to continue
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SLURM's and torchrun's, and Ctrl-C
 
 
 class UserError(Exception):
     """A mistake the user can fix (path, flag, file): scripts print it as one line, no traceback."""
+
+
+def stopped_during_startup(name):
+    """The line of a stop signal `name` before a run's loop took the signals over (sce.preemption)."""
+    return (f"=> stopped by {name} during start-up, before any training: nothing to save; run the same command "
+            f"again to start (exiting with code {PREEMPTED_EXIT_CODE})")
+
+
+def stop_while_importing(script):
+    """A script's first call (`script`: run as one, not imported), before its imports, torch's of seconds among them:
+    until sce.cli.run takes the stop signals over, one ends the process at once with its line and
+    PREEMPTED_EXIT_CODE, as later in the start-up, where it would die silently (SIGTERM, SIGUSR1) or with a
+    traceback (Ctrl-C). Nothing has begun: nothing is left to clean up."""
+    def stop(signum, frame):
+        os.write(1, (stopped_during_startup(signal.Signals(signum).name) + "\n").encode())  # no print: reentrant
+        os._exit(PREEMPTED_EXIT_CODE)
+    if script:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, stop)
 
 
 def alive(pid):

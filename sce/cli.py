@@ -14,7 +14,7 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, alive, timing
+from sce import UserError, alive, stopped_during_startup, timing
 from sce.builder import ARCHS
 from sce.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_during_startup
 
@@ -200,8 +200,7 @@ def run(main):
     except UserError as e:
         code = f"error: {one_line(e)}"
     except Stopped as e:
-        print(f"=> stopped by {e} during start-up, before any training: nothing to save; run the same command again "
-              f"to start (exiting with code {PREEMPTED_EXIT_CODE})", flush=True)
+        print(stopped_during_startup(e), flush=True)
         code = PREEMPTED_EXIT_CODE
     except SystemExit as e:
         code = e.code

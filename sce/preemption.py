@@ -9,11 +9,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 from sce import distributed as du
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal after saving; resubmit to continue
 CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def ignore_stop_signals(worker_id=None):

@@ -261,3 +261,35 @@ def test_a_stop_during_start_up_exits_75_with_its_line(pretrained, tmp_path, scr
     assert (f"=> stopped by {signal.Signals(signum).name} during start-up, before any training: nothing to save; run "
             "the same command again to start (exiting with code 75)") in output and "Traceback" not in output
     assert set(os.listdir(tmp_path / "out")) <= {".lock", "evaluated.json"}
+
+
+IMPORTING = """
+import os, runpy, signal, sys
+signum, script, sys.argv = int(sys.argv[1]), sys.argv[2], sys.argv[2:]
+
+
+class Signal:  # sends the signal as the script begins to import torch (its seconds of start-up)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signum)
+        return None
+
+
+sys.meta_path.insert(0, Signal())
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script,signum", [("main_pretrain.py", signal.SIGTERM), ("main_lincls.py", signal.SIGUSR1),
+                                           ("main_lowshot.py", signal.SIGINT)])
+def test_a_stop_while_the_script_imports_exits_75_with_its_line(tmp_path, script, signum):
+    """A stop signal in the first seconds, while torch imports (before sce.cli.run takes the signals over): the same
+    line and exit 75, not a silent death by the signal (143, 138) or Ctrl-C's traceback."""
+    proc = subprocess.run([sys.executable, "-c", IMPORTING, str(int(signum)), script, "--output-dir", str(tmp_path)],
+                          cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stdout == (f"=> stopped by {signal.Signals(signum).name} during start-up, before any training: nothing "
+                           "to save; run the same command again to start (exiting with code 75)\n") and not proc.stderr
+    assert os.listdir(tmp_path) == []
