@@ -189,7 +189,8 @@ def linear(args, frozen, source, device, split):
     load_head(head, frozen.ckpt, source, args, num_classes)
     reference = {k: v.detach().clone() for k, v in frozen.trunk.state_dict().items()}
     sampler = data.ShuffledShards(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    train_data = {"num_images": len(train), "data_order": data.ORDER_VERSION}  # a mid-epoch resume needs the same
+    # a mid-epoch resume needs the same: its files and labels (or CIFAR's and STL-10's pixels) too
+    train_data = {"num_images": len(train), "data_id": train.data_id, "data_order": data.ORDER_VERSION}
     probe = Probe.of(args, sampler.num_samples, cli.AMP[args.amp], train_data)
     ddp = du.wrap_ddp(head, device) if world > 1 else head  # DDP all-reduces the head's gradients only
     optimizer = build_optimizer(args.optimizer, head, args.lr, args.weight_decay, args.sgd_momentum,

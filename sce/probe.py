@@ -32,7 +32,7 @@ class Probe:
     warmup_epochs: int
     print_freq: int
     amp: object  # the autocast dtype, or None
-    data: dict = None  # the train split's num_images and data_order, saved: a resume within an epoch needs the same
+    data: dict = None  # the train split's num_images, data_id and data_order: a resume within an epoch needs the same
 
     @classmethod
     def of(cls, args, num_samples, amp, data):

@@ -155,6 +155,11 @@ def test_the_probe_saves_on_a_stop_signal_and_resumes_exactly(data, pretrained, 
         torch.save(moved, tmp_path / "moved" / "checkpoint_last.pth")
         with pytest.raises(UserError, match=r"stopped mid-epoch on 24 images: resume it on the same data \(not 25"):
             probe(str(more), pretrained, tmp_path / "moved", *flags)
+        # nor as many images, one moved to another class
+        os.remove(cls / "extra.png")
+        os.rename(sorted(cls.iterdir())[0], sorted((more / "train").iterdir())[1] / "moved.png")
+        with pytest.raises(UserError, match=r"stopped mid-epoch on other data \(other files, labels or pixels\)"):
+            probe(str(more), pretrained, tmp_path / "moved", *flags)
     probe(data, pretrained, tmp_path / "run", *flags)
     a, b = (load(tmp_path / run / "checkpoint_last.pth") for run in ("ref", "run"))
     assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and a["acc1"] == b["acc1"]

@@ -157,11 +157,13 @@ def _collate_decode(samples):
 class EvalSplit:
     """A split and how it is read: len(), targets, subset(indices), describe(), and batches(batch_size, sampler):
     (normalised images, targets) on the device, in the order of `sampler` (keys (epoch, index); default: this
-    rank's Shard). route: preload (images: an Images), decode or loader (dataset)."""
+    rank's Shard). route: preload (images: an Images), decode or loader (dataset). data_id: the linear probe's train
+    split's fingerprint (sce.data.files.fingerprint), which a mid-epoch resume compares."""
 
-    def __init__(self, route, geometry, device, dataset=None, images=None, workers=0, seed=0, targets=None):
+    def __init__(self, route, geometry, device, dataset=None, images=None, workers=0, seed=0, targets=None,
+                 data_id=None):
         self.route, self.geometry, self.device, self.workers, self.seed = route, geometry, device, workers, seed
-        self.dataset, self.images = dataset, images
+        self.dataset, self.images, self.data_id = dataset, images, data_id
         self.targets = (targets if targets is not None else images.targets.tolist() if images is not None
                         else list(dataset.targets))
 
@@ -286,12 +288,14 @@ def eval_splits(dataset, root, size, small_input, device, preload_mode="auto", d
                 augment_train=False, class_list=None, what="", seed=0, budget=None, reuse=None):
     """(train, val, number of classes) as the evaluations read them at `size` px, EvalSplits: preloaded on the
     device (a small-input trunk, --preload; the budget's device), decoded there (an ImageNet-stem trunk, --decode
-    device) or read by the loader. augment_train: the linear probe's random crops and flips on train. reuse:
+    device) or read by the loader. augment_train: the linear probe's random crops and flips on train, and its
+    fingerprint (EvalSplit.data_id). reuse:
     (fingerprint, Images) of a dataset already preloaded whole (pretraining's): the train split takes those images
     where they are its own, at its size (no second copy)."""
     route = eval_route(decode, small_input)
     train, val, classes = read_splits(dataset, root, READER[route], class_list)
     geometries = protocol(size, small_input, augment_train), protocol(size, small_input, False)
+    ids = fingerprint(train) if augment_train else None, None
     if small_input and budget is not None and wanted(preload_mode, device):
         def load(ds, split, g):
             images = reuse[1] if reuse and split == "train" else None
@@ -304,7 +308,7 @@ def eval_splits(dataset, root, size, small_input, device, preload_mode="auto", d
                            transform=transform)
         preloaded = [load(train, "train", geometries[0]), load(val, "val", geometries[1])]
         if all(p is not None for p in preloaded):
-            return (*(EvalSplit("preload", g, device, images=p, seed=seed) for p, g in zip(preloaded, geometries)),
-                    classes)
-    return (*(EvalSplit(route, g, device, ds, workers=workers, seed=seed) for ds, g in zip((train, val), geometries)),
-            classes)
+            return (*(EvalSplit("preload", g, device, images=p, seed=seed, data_id=i)
+                      for p, g, i in zip(preloaded, geometries, ids)), classes)
+    return (*(EvalSplit(route, g, device, ds, workers=workers, seed=seed, data_id=i)
+              for ds, g, i in zip((train, val), geometries, ids)), classes)
