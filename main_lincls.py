@@ -21,7 +21,7 @@ from sce.engine import resolve_compile
 from sce.frozen import load_frozen, split_features
 from sce.knn import knn_accuracy
 from sce.optim import build_optimizer, load_optimizer_state
-from sce.preemption import Preemption, stop
+from sce.preemption import Interrupted, Preemption, stop
 from sce.probe import (Head, Probe, Run, Step, check_frozen, check_resume, end_epoch, graphs_for, make_head, state,
                        train_one_epoch, validate)
 from sce.progress import Progress
@@ -227,8 +227,9 @@ def linear(args, frozen, source, device, split):
             if epoch + 1 < args.epochs and run.preemption.requested():
                 stop(run.preemption, tensorboard, f"epoch {epoch + 1}", run.checkpoints.wait)
         run.checkpoints.wait()
-    except BaseException:
-        run.checkpoints.wait(quiet=True)  # a failure waits for the save in flight too
+    except BaseException as e:
+        if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
+            run.checkpoints.wait(quiet=True)
         raise
     finally:  # however the loop ended: complete, stopped (exit 75) or failed
         split.done()

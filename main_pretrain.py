@@ -24,7 +24,7 @@ from sce.checkpoint import Writer
 from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model, resolve_compile
 from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch
 from sce.optim import build_optimizer
-from sce.preemption import Preemption
+from sce.preemption import Interrupted, Preemption
 from sce.resume import check_ranks_agree, resume
 
 # `python main_pretrain.py` with no --data: the embedded demo (digits placed at random in 16 px canvases, under 3
@@ -357,8 +357,9 @@ def pretrain(args, rank, world_size, device, bn_splits):
                 break
         finish(run, result, done)  # exits 75 after a stop request, the run not complete
         top1 = monitor(model)[0] if args.demo else None
-    except BaseException:
-        run.checkpoints.wait(quiet=True)  # a failure waits for the save in flight too
+    except BaseException as e:
+        if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
+            run.checkpoints.wait(quiet=True)
         raise
     finally:  # however the loop ended: complete, stopped (exit 75) or failed
         if rank == 0:

@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from sce import UserError, alive, stopped_during_startup, timing
 from sce.builder import ARCHS
-from sce.preemption import PREEMPTED_EXIT_CODE, Stopped, stop_during_startup
+from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Interrupted, Stopped, stop_during_startup
 
 # ---------------------------------------------------------------- --help
 
@@ -189,7 +189,8 @@ def run(main):
     names the first rank that failed and its message, whatever its peers raise next. A UserError
     then ends as one line `error: ...` on stderr, exit status 1, no traceback; any other exception
     keeps its traceback. A stop signal before the run's loop takes the signals over ends it at once with
-    PREEMPTED_EXIT_CODE and one line (sce.preemption.Stopped). Whatever the exit, its loader workers end with it,
+    PREEMPTED_EXIT_CODE and one line (sce.preemption.Stopped); a second Ctrl-C after a stop request, with
+    INTERRUPTED_EXIT_CODE and one line (sce.preemption.Interrupted). Whatever the exit, its loader workers end with it,
     and the process leaves at once (leave)."""
     timing.STARTED = timing.process_start()  # the split's start-up counts the interpreter's and the imports'
     stop_with_parent()
@@ -202,6 +203,11 @@ def run(main):
     except Stopped as e:
         print(stopped_during_startup(e), flush=True)
         code = PREEMPTED_EXIT_CODE
+    except Interrupted:
+        print("=> interrupted again: leaving at once, without waiting for the checkpoint being written (it is dropped, "
+              "the previous one is kept); run the same command again to continue from that one (exiting with code "
+              f"{INTERRUPTED_EXIT_CODE})", flush=True)
+        code = INTERRUPTED_EXIT_CODE
     except SystemExit as e:
         code = e.code
     finally:

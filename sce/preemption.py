@@ -1,7 +1,7 @@
 """Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) or SIGINT (Ctrl-C) make every rank stop at the next
-check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved. Before a run's
-loop takes them over (Preemption), the same signals stop the start-up at once (Stopped: exit 75, one line,
-nothing to save)."""
+check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved (Interrupted:
+exit 130, one line). Before a run's loop takes them over (Preemption), the same signals stop the start-up at once
+(Stopped: exit 75, one line, nothing to save)."""
 import datetime
 import signal
 import sys
@@ -13,6 +13,7 @@ from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 from sce import distributed as du
 
 CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a second Ctrl-C, the save in progress not waited for
 
 
 def ignore_stop_signals(worker_id=None):
@@ -21,6 +22,11 @@ def ignore_stop_signals(worker_id=None):
     leave the saving to their rank."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+class Interrupted(BaseException):
+    """A second Ctrl-C after a stop request: the run leaves at once, not waiting for the save in progress (sce.cli.run
+    says so in one line). Not an Exception, as KeyboardInterrupt is not: no `except Exception` holds it up."""
 
 
 class Stopped(Exception):
@@ -50,7 +56,9 @@ class Preemption:
 
     def _handler(self, signum, frame):
         if signum == signal.SIGINT and self.flag.item():  # Ctrl-C twice: the user will not wait for the save
-            raise KeyboardInterrupt
+            for sig in STOP_SIGNALS:  # (SIGTERM twice is one request: torchrun forwards SLURM's to ranks it reached)
+                signal.signal(sig, signal.SIG_IGN)
+            raise Interrupted
         self.flag.fill_(1)
 
     def requested(self):

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,10 +18,10 @@ import torch
 
 from conftest import REPO, assert_same_state, assert_trained, load, pretrain, sends_signal_at, write_imagefolder
 import main_pretrain
-from sce import UserError, checkpoint
+from sce import UserError, checkpoint, cli
 from sce.epoch import estimate_due
 from sce.optim import build_optimizer
-from sce.preemption import PREEMPTED_EXIT_CODE
+from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from sce.resume import effective
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
@@ -110,6 +111,32 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     lines = [[json.loads(line) for line in open(tmp_path / run / "log.txt")] for run in ("ref", "run")]
     terms = ("epoch", "loss", "infonce", "ressl", "ceil", "skipped_steps")
     assert [[line[k] for k in terms] for line in lines[0]] == [[line[k] for k in terms] for line in lines[1]]
+
+
+def test_a_second_ctrl_c_while_the_stop_saves_leaves_at_once_in_one_line(small, tmp_path, monkeypatch, capsys):
+    """Ctrl-C, then Ctrl-C again while the stop's checkpoint is written: the run leaves at once, exit 130 and one
+    line, no traceback, not waiting for that save; the checkpoint before it is kept."""
+    real, released = checkpoint.save_atomic, threading.Event()
+
+    def stuck(state, path, second=None):  # the stop's save: Ctrl-C again while it is being written
+        if not state["step_in_epoch"]:
+            return real(state, path, second)
+        os.kill(os.getpid(), signal.SIGINT)
+        released.wait(60)  # never written (a process that left takes this thread with it)
+    monkeypatch.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGINT, 3))  # epoch 2's first step
+    monkeypatch.setattr(checkpoint, "save_atomic", stuck)
+    try:
+        with pytest.raises(SystemExit) as left:
+            cli.run(lambda: pretrain(small, tmp_path, "--epochs", 2))
+    finally:
+        released.set()
+    assert left.value.code == INTERRUPTED_EXIT_CODE == 130
+    out, err = capsys.readouterr()
+    assert ("=> interrupted again: leaving at once, without waiting for the checkpoint being written (it is dropped, "
+            "the previous one is kept); run the same command again to continue from that one (exiting with code 130)"
+            in out) and "Traceback" not in out + err
+    ckpt = load(tmp_path / "checkpoint_last.pth")
+    assert (ckpt["epoch"], ckpt["step_in_epoch"]) == (1, 0)
 
 
 def test_the_estimate_waits_for_a_whole_epoch():
