@@ -100,6 +100,7 @@ def main(argv=None):
                      "--warmup-epochs": args.warmup_epochs}
     cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
     cli.check_seed(args.seed)
+    args.workers = cli.cap_processes(args.workers)
     data.data_folder(args.data)  # before the output folder is bound to it
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
@@ -149,6 +150,11 @@ def evaluate(args, source, device):
         outdir.bind_evaluation(args.output_dir, args.pretrained or source, named, args.dataset, args.data)
     args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, frozen.ckpt.get("args"),
                                                        args.dataset)
+    linear = args.classifier == "linear"
+    batch = args.batch_size // du.world_size() if linear else 256  # else the features' batches
+    cli.check_memory(device, {f"{'--batch-size ' if linear else 'batches of '}{batch} images of {args.crop_size} px "
+                              "(--crop-size): their pixels in float32": (batch * 3 * args.crop_size ** 2 * 4,
+                                                                         "lower --batch-size or --crop-size")})
     if du.is_main():
         print(f"=> {frozen.describe()} from {source}; input {args.crop_size} px ({why})", flush=True)
         if warning:

@@ -84,6 +84,9 @@ def main(argv=None):
                       "--crop-size": args.crop_size, "--batch-size": args.batch_size},
                      {"--workers": args.workers})
     cli.check_seed(args.seed, 2 ** 32 - 1, " (scikit-learn's cross-validation takes 32-bit seeds)")
+    if args.jobs == 0 or args.jobs < -1:
+        raise UserError(f"--jobs must be positive, or -1 for every core (got {args.jobs})")
+    args.workers, args.jobs = cli.cap_processes(args.workers), cli.cap_processes(args.jobs, "--jobs")
     data.data_folder(args.data)  # before the output folder is bound to it
     if args.cost_selection == "cv" and args.cv_folds < 2:
         raise UserError(f"--cv-folds must be at least 2 (got {args.cv_folds})")
@@ -110,6 +113,11 @@ def lowshot(args):
     resize = args.resize or data.eval_resize(crop, frozen.small_input)
     if resize < crop:
         raise UserError(f"--resize {resize} is smaller than the {crop} px centre crop: pass --resize >= {crop}")
+    cli.check_memory(device, {f"--batch-size {args.batch_size} images of {crop} px (--crop-size): their pixels in "
+                              "float32": (args.batch_size * 3 * crop ** 2 * 4, "lower --batch-size or --crop-size")})
+    readers = max(1, args.workers)  # each resizes an image at a time, its short side to --resize
+    cli.check_memory(torch.device("cpu"), {f"--resize {resize}: the resized images of {readers} reading process(es)":
+                                           (readers * 3 * resize ** 2, "lower --resize")})
     print(f"=> {frozen.describe()} from {args.pretrained}; input {crop} px ({why}), resized to {resize}; "
           f"VOC07 {len(trainval_paths)} trainval / {len(test_paths)} test images", flush=True)
     if warning:

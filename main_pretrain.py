@@ -197,6 +197,7 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
                      "--sgd-momentum": args.sgd_momentum}
     cli.check_ranges(positive, at_least_zero, unit_interval)
     cli.check_seed(args.seed)
+    args.workers = cli.cap_processes(args.workers)
     scales = [(args.min_scale, 1.0)] + list(zip(args.local_crop_scales[::2], args.local_crop_scales[1::2]))
     if not all(0 < low <= high <= 1 for low, high in scales):
         raise UserError(f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) "
@@ -228,6 +229,12 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
     if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
         raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at "
                         f"least 2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
+    per_rank, sizes = args.batch_size // world_size, [args.crop_size] * 2 + args.local_crop_sizes
+    keys = args.queue_size * (args.proj_dim + per_rank * (2 if args.symmetric else 1)) * 4  # and their logits
+    cli.check_memory(device, {
+        f"--batch-size {args.batch_size} with --crop-size {args.crop_size}: one step's views in float32":
+            (per_rank * sum(3 * s * s for s in sizes) * 4, "lower --batch-size or --crop-size"),
+        f"--queue-size {args.queue_size}: the queue and one step's logits against it": (keys, "lower --queue-size")})
     return bn_splits
 
 

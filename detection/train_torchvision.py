@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sce import UserError, cli  # noqa: E402
 from sce import distributed as du  # noqa: E402
 from sce.checkpoint import load, save_atomic  # noqa: E402
+from sce.preemption import end_with_parent  # noqa: E402
 from trunk import read_resnet_trunk  # noqa: E402
 
 
@@ -154,7 +155,7 @@ def evaluate(model, dataset, device, args):
     model.eval()
     shard = torch.utils.data.Subset(dataset, range(du.rank(), len(dataset), du.world_size()))
     loader = torch.utils.data.DataLoader(shard, batch_size=args.batch_size, num_workers=args.workers,
-                                         collate_fn=collate)
+                                         collate_fn=collate, worker_init_fn=end_with_parent)
     results = []
     for images, targets in loader:
         outputs = model([img.to(device) for img in images])
@@ -269,6 +270,7 @@ def main():
                      {"--lr": args.lr, "--weight-decay": args.weight_decay, "--momentum": args.momentum,
                       "--workers": args.workers, "--max-iters": args.max_iters})
     cli.check_seed(args.seed)
+    args.workers = cli.cap_processes(args.workers)
     os.makedirs(args.output_dir, exist_ok=True)
     last = os.path.join(args.output_dir, "checkpoint_last.pth")
     if args.resume and not os.path.isfile(last):
@@ -305,7 +307,7 @@ def main():
 
     sampler = EpochSampler(len(train_set), args.seed, du.rank(), world)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                                         num_workers=args.workers, collate_fn=collate,
+                                         num_workers=args.workers, collate_fn=collate, worker_init_fn=end_with_parent,
                                          persistent_workers=args.workers > 0)
     per_epoch = len(loader)
     if per_epoch == 0:

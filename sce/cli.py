@@ -15,6 +15,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from sce import UserError, alive, stopped_during_startup, timing
+from sce import distributed as du
 from sce.builder import ARCHS
 from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Interrupted, Stopped, stop_during_startup
 
@@ -63,12 +64,43 @@ def add_trunk_args(parser, required=True):
     return g
 
 
-def default_workers(most=16):
-    """Loader processes per rank: this node's cores (those this process may run on) shared among its
-    ranks (torchrun's LOCAL_WORLD_SIZE), minus one core for the rank itself; at most `most`, which
-    bounds the shared memory of prefetched batches. (A container's CPU quota is not seen here.)"""
+def cores_per_rank():
+    """This node's cores (those this process may run on) shared among its ranks (torchrun's LOCAL_WORLD_SIZE), at
+    least 1. (A container's CPU quota is not seen here.)"""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(most, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def default_workers(most=16):
+    """Loader processes per rank: the rank's cores (cores_per_rank) minus one for the rank itself; at most `most`,
+    which bounds the shared memory of prefetched batches."""
+    return max(1, min(most, cores_per_rank() - 1))
+
+
+def cap_processes(count, flag="--workers"):
+    """`count` processes per rank (the flag's), at most the rank's cores: more only contend for them, and each holds
+    its own copy of the dataset's state and its prefetched batches (--workers 100000 filled 23 GB with 1,500
+    processes before the kernel killed the run). More is capped to the cores, with a line (rank 0's)."""
+    most = cores_per_rank()
+    if count <= most:
+        return count
+    if os.environ.get("RANK", "0") == "0":
+        print(f"=> {flag} {count} is more than the {most} core(s) this process has"
+              + (" (its share of the node's, over its ranks)" if "LOCAL_WORLD_SIZE" in os.environ else "")
+              + f": using {most}", flush=True)
+    return most
+
+
+def check_memory(device, needs):
+    """A one-line error for the first of `needs` ({what: (bytes, what to do)}) larger by itself than all of the
+    device's memory (a GPU's own, else this machine's): a size that cannot fit, however the rest is spent. The
+    estimates are rough and low (the tensors named, not the activations), so only the clearly impossible stops."""
+    total = du.device_memory(device)
+    where = f"the {device} GPU's memory" if device.type == "cuda" else "this machine's memory"
+    for what, (need, fix) in needs.items():
+        if need > total:
+            raise UserError(f"{what} need {need / 2 ** 30:.1f} GiB alone, more than all of {where} "
+                            f"({total / 2 ** 30:.1f} GiB): {fix}")
 
 
 def check_finite(args):

@@ -27,6 +27,14 @@ def init(backend=None, timeout_s=600):
     return dist.get_rank(), dist.get_world_size(), local_rank, device
 
 
+def device_memory(device):
+    """Bytes of memory on `device`: a GPU's own, else this machine's (its physical pages; a container's limit is not
+    seen here)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def is_dist():
     return dist.is_available() and dist.is_initialized()
 

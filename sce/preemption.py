@@ -2,7 +2,9 @@
 check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved (Interrupted:
 exit 130, one line). Before a run's loop takes them over (Preemption), the same signals stop the start-up at once
 (Stopped: exit 75, one line, nothing to save)."""
+import ctypes
 import datetime
+import os
 import signal
 import sys
 
@@ -19,9 +21,27 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: a second Ctrl-C, the save in progre
 def ignore_stop_signals(worker_id=None):
     """worker_init_fn of every loader: SLURM signals every process of the job, and Ctrl-C every process of
     the terminal's group; a worker that died of it would fail the batch its rank waits for. The workers
-    leave the saving to their rank."""
+    leave the saving to their rank, and end with it (end_with_parent)."""
+    end_with_parent()
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent(worker_id=None):
+    """The kernel kills this process (SIGKILL) once its parent is gone, however it went (kill -9, the out-of-memory
+    killer): a loader worker is never left orphaned (torch's own check of the parent, every 5 s between batches,
+    never comes in a busy, stopped or swapping worker). Linux; the parent is the thread that started the worker, the
+    main one. A parent already gone: leave at once."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class Interrupted(BaseException):

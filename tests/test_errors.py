@@ -432,3 +432,19 @@ def test_seeds_in_range_serve_every_use_and_others_are_one_line(tmp_path):
     one_line(main_lincls.main, base + ["--seed", str(2 ** 63)], "--seed must lie in [0, 9223372036854775807] (got")
     one_line(main_lowshot.main, base + ["--seed", str(2 ** 32)],
              "--seed must lie in [0, 4294967295] (scikit-learn's cross-validation takes 32-bit seeds) (got 4294967296)")
+
+
+def test_sizes_that_cannot_fit_are_one_line(pretrained, data, tmp_path, capsys):
+    """A batch, crop or queue whose tensors alone exceed all of the memory is refused at start, naming the flag and
+    the figure; main_lincls.py's --workers is capped to the cores first, with its line."""
+    base = ["--data", data, "--output-dir", str(tmp_path / "o")] + TINY
+    one_line(main_pretrain.main, base + ["--crop-size", "1000000"], "--batch-size 8 with --crop-size 1000000: one "
+             "step's views in float32 need 178813.9 GiB alone, more than all of this machine's memory (")
+    one_line(main_pretrain.main, base + ["--queue-size", str(8 * 10 ** 12)], f"--queue-size {8 * 10 ** 12}: the queue "
+             "and one step's logits against it need 715255.7 GiB alone, more than all of this machine's memory (")
+    cores = cli.cores_per_rank()
+    one_line(main_lincls.main, ["--data", data, "--pretrained", pretrained, "--batch-size", str(10 ** 12), "--workers",
+                                str(cores + 1), "--output-dir", str(tmp_path / "l")],
+             f"--batch-size {10 ** 12} images of 32 px (--crop-size): their pixels in float32 need 11444091.8 GiB")
+    assert f"=> --workers {cores + 1} is more than the {cores} core(s) this process has: using {cores}" \
+        in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Training health (docs/health.md): a non-finite step changes nothing and is counted, too many stop the run naming
 the likely cause, an epoch skipped by fp16's GradScaler goes on; a failed compile trains eagerly with one warning
-(the kNN monitor's too); a crash with loader workers exits at once, leaving no process behind."""
+(the kNN monitor's too); a crash with loader workers exits at once, leaving no process behind; loader workers are at
+most the cores and end with their parent, however it dies."""
 import json
 import os
 import re
@@ -219,6 +220,57 @@ def test_a_crash_with_loader_workers_exits_at_once(small, tmp_path, where, code)
     assert not left, f"processes left running: {left}"
     if where == "checkpoint":
         assert "error: could not write checkpoint" in output and "Traceback" not in output
+
+
+def children(pid):
+    """The processes whose parent is `pid` (/proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):  # ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux: /proc and prctl")
+def test_workers_are_capped_to_the_cores_and_end_with_their_parent(small, tmp_path):
+    """--workers 64 on (at most) two cores: capped to them, with a line. Its parent killed outright (kill -9), each
+    worker ends within seconds, even one stopped (SIGSTOP: as busy as can be; torch's own check of the parent, between
+    batches, never comes)."""
+    pinned = sorted(os.sched_getaffinity(0))[:2]
+    args = ["main_pretrain.py", "--data", small, "--output-dir", tmp_path / "out", "--epochs", "1000"] + TINY + [
+        "--workers", "64"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable] + [str(a) for a in args], cwd=REPO, stdout=log, stderr=log,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+                                preexec_fn=lambda: os.sched_setaffinity(0, pinned))
+    workers, left = [], None
+    try:
+        deadline = time.time() + 240
+        while len(workers) < len(pinned) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+            workers = children(proc.pid)
+        assert workers, (tmp_path / "log").read_text()[-3000:]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 10
+        while any(alive(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in workers if alive(pid)]
+    finally:
+        for pid in [pid for pid in workers if alive(pid)]:
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert not left, f"workers left running after their parent died: {left}"
+    output = (tmp_path / "log").read_text()
+    assert f"=> --workers 64 is more than the {len(pinned)} core(s) this process has: using {len(pinned)}\n" in output
+    assert f"=> data: loader, {len(pinned)} worker(s)" in output and len(workers) == len(pinned)
 
 
 STARTUP = """

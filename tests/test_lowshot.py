@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from conftest import exit_message, script_in_process
-from sce import UserError
+from sce import UserError, cli
 from sce.data import read_voc07
 from sce.metrics import VOC_CLASSES, average_precision
 from sce.transfer import FitCount, cv_drops, cv_splits, lowshot_draw, svm_cv_map, svm_test_map
@@ -229,6 +229,16 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
                            "--output-dir", str(tmp_path / "resize")])
     with pytest.raises(UserError, match="--cv-folds must be at least 2"):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--cost-selection", "cv", "--cv-folds", "1"])
+    with pytest.raises(UserError, match=r"--jobs must be positive, or -1 for every core \(got 0\)"):
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--jobs", "0"])
+    capsys.readouterr()
+    with pytest.raises(UserError, match=r"--resize 10000000: the resized images of 1 reading process\(es\) need "
+                                        r"279396.8 GiB alone, more than all of this machine's memory .*: lower --resize"):
+        main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--resize", str(10 ** 7), "--workers", "1",
+                           "--jobs", "100000", "--output-dir", str(tmp_path / "huge")])
+    cores = cli.cores_per_rank()
+    assert f"=> --jobs 100000 is more than the {cores} core(s) this process has: using {cores}" \
+        in capsys.readouterr().out
     help_text = main_lowshot.get_parser().format_help()
     assert "optimistic" in help_text and "--cost-selection" in help_text
     assert "--difficult {negative,ignore}" in help_text and "reads higher" in help_text

@@ -4,7 +4,6 @@ fit in a small share of a GPU's memory (CIFAR-10: 50,000 x 3 x 32 x 32 bytes = 1
 STL-10's 105,000 train + unlabeled images 2.9 GB)."""
 import functools
 import math
-import os
 import time
 
 import numpy as np
@@ -14,6 +13,7 @@ import torchvision.transforms.functional as TF
 from sce import UserError
 from sce.compiling import error_line
 from sce.data.images import Encoded, UnreadableImage, decode_rgb_tensor, image_path, skip_unreadable
+from sce.distributed import device_memory
 from sce.preemption import ignore_stop_signals
 from sce.progress import Progress
 
@@ -41,9 +41,7 @@ class Budget:
     on a CPU run, shared by every set it preloads."""
 
     def __init__(self, device):
-        total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                 else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        self.device, self.total, self.used = device, int(MEMORY_SHARE * total), 0
+        self.device, self.total, self.used = device, int(MEMORY_SHARE * device_memory(device)), 0
 
 
 def wanted(mode, device):
