@@ -363,7 +363,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
             if preemption.requested() or (args.stop_after_epochs and done - start_epoch >= args.stop_after_epochs):
                 break
         finish(run, result, done)  # exits 75 after a stop request, the run not complete
-        top1 = monitor(model)[0] if args.demo else None
+        top1 = split.timed("knn", monitor, model)[0] if args.demo else None
     except BaseException as e:
         if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
             run.checkpoints.wait(quiet=True)

@@ -250,16 +250,12 @@ PARTS = timing.PARTS
 
 
 def stage_split(folder):
-    """{part: seconds} of a stage's invocations (FOLDER/timing.txt, sce.timing), summed, or None."""
-    path = os.path.join(folder, "timing.txt")
-    if not os.path.isfile(path):
+    """{part: seconds} of a stage's invocations (FOLDER/timing.txt, sce.timing; a killed one's up to its last
+    epoch), summed, or None."""
+    if not os.path.isfile(os.path.join(folder, "timing.txt")):
         return None
     total = dict.fromkeys(PARTS + ["wall"], 0.0)
-    for line in open(path).read().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line cut short by a kill
-            continue
+    for row in timing.lines(folder):
         for part in total:
             total[part] += row.get(f"{part}_s", 0.0)
     return total

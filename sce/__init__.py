@@ -29,6 +29,20 @@ def stop_while_importing(script):
             signal.signal(sig, stop)
 
 
+def write_file(path, text):
+    """`text` into a temporary file beside `path`, renamed over it: a kill never leaves half a file, and a failed
+    write (a full disk) leaves the previous one whole, removes its temporary file and raises its OSError."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def alive(pid):
     """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended). Here, without
     torch: benchmarks/reproduce_tools.py asks it too."""

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from sce import UserError
+from sce import UserError, write_file
 from sce import distributed as du
 from sce.builder import momentum_at
 from sce.checkpoint import Writer
@@ -202,7 +202,7 @@ def end_epoch(run, done, stats):
     """After `done` epochs: rank 0 saves in the background (a snapshot of the state now; the next epoch trains while
     it is written), the kNN monitor runs when due, then the epoch's line of log.txt, written once the checkpoint is
     on disk. The checkpoint holds the line's statistics: a run stopped between the two completes the line when
-    rerun. Then the estimate, when due (estimate_due)."""
+    rerun. Then the estimate, when due (estimate_due), and the time split so far (timing.txt)."""
     args, t, split = run.args, run.training, run.split
     if du.is_main():
         split.timed("epoch_ends", lambda: run.checkpoints.save(
@@ -213,6 +213,8 @@ def end_epoch(run, done, stats):
     split.timed("epoch_ends", log_epoch, args, done, stats, knn, run.tensorboard, run.checkpoints)
     if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs) and du.is_main():
         estimate(run, done, stats)
+    if du.is_main():  # the split so far: what a kill leaves of this invocation's
+        split.save(args.output_dir, epochs=[run.first_step // run.steps_per_epoch, done])
 
 
 def estimate_due(done, first_step, steps_per_epoch, epochs):
@@ -241,9 +243,14 @@ def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
             tensorboard.add_scalar("knn/top1", knn[0], done)
             tensorboard.add_scalar("knn/top5", knn[1], done)
     if du.is_main():
-        def write():
-            with open(os.path.join(args.output_dir, "log.txt"), "a") as f:
-                f.write(json.dumps(log) + "\n")
+        def write():  # the file anew: a kill or a full disk never leaves half a line
+            path = os.path.join(args.output_dir, "log.txt")
+            rows = open(path).read().splitlines() if os.path.isfile(path) else []
+            try:
+                write_file(path, "".join(f"{row}\n" for row in rows + [json.dumps(log)]))
+            except OSError as e:
+                raise UserError(f"could not write {path} ({e.strerror}): free some space and run the same command "
+                                "again, which completes its line") from None
         checkpoints.then(write) if checkpoints else write()
     du.barrier()
 
@@ -253,7 +260,7 @@ def estimate(run, done, stats):
     rates (its remaining epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json
     (benchmarks/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The rest of an
     epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an epoch."""
-    args, (parts, wall) = run.args, run.split.report()
+    args, (parts, wall), earlier = run.args, run.split.report(), run.split.earlier_wall(run.args.output_dir)
     epoch_s = run.steps_per_epoch * args.batch_size / max(stats["images_per_s"], 1e-9)
     knn_s = parts["knn"]  # one run so far (after the invocation's first epoch; its compile included)
     end_s = parts["epoch_ends"] / max(1, done - run.first_step // run.steps_per_epoch)  # an epoch's end
@@ -263,18 +270,20 @@ def estimate(run, done, stats):
     knn_runs = sum(knn_due(args, e, e == 1) for e in range(1, args.epochs + 1)) if run.monitor else 0
     whole = parts["startup"] + parts["compiling"] + args.epochs * (epoch_s + end_s) + knn_runs * knn_s
     forward = run.monitor.images / knn_s if run.monitor and run.monitor.images and knn_s > 0 else None
-    fields = dict(epoch=done, epochs=args.epochs, wall_s=wall, left_s=left, stage_s=wall + left, whole_stage_s=whole,
-                  epoch_s=epoch_s,
+    fields = dict(epoch=done, epochs=args.epochs, wall_s=wall, earlier_s=earlier, left_s=left,
+                  stage_s=earlier + wall + left, whole_stage_s=whole, epoch_s=epoch_s,
                   images_per_s=run.steps_per_epoch * args.batch_size / max(epoch_s, 1e-9),
                   epoch_end_s=end_s, knn_s=knn_s, knn_runs_left=knn_left,
                   knn_compile_s=run.monitor.compile_s if run.monitor else 0.0, forward_images_per_s=forward,
                   startup_s=parts["startup"], compiling_s=parts["compiling"])
-    with open(os.path.join(args.output_dir, "estimate.json"), "w") as f:
-        json.dump(fields, f, indent=1)
+    try:
+        write_file(os.path.join(args.output_dir, "estimate.json"), json.dumps(fields, indent=1))
+    except OSError as e:
+        print(f"=> could not write estimate.json ({e.strerror}): the estimate is only this line", flush=True)
     knn = f", a kNN {knn_s:.1f} s ({forward:.0f} images/s)" if forward else ""
     print(f"=> estimate after epoch {done}: an epoch {epoch_s:.2f} s of steps ({fields['images_per_s']:.0f} img/s) "
           f"and {end_s:.2f} s at its end{knn}; start-up {parts['startup']:.1f} s, compiling "
-          f"{parts['compiling']:.1f} s: this stage {(wall + left) / 60:.1f} min in all, {left / 60:.1f} min left",
+          f"{parts['compiling']:.1f} s: this stage {fields['stage_s'] / 60:.1f} min in all, {left / 60:.1f} min left",
           flush=True)
 
 

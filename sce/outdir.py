@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from sce import UserError
+from sce import UserError, write_file
 
 LOCK = ".lock"
 EVALUATED = "evaluated.json"  # what the evaluation scripts' output folder holds results of
@@ -59,11 +59,13 @@ class Lock:
 
 
 def write_json(path, obj):
-    """json.dump to a temporary file beside `path`, renamed over it: a stop or a kill never leaves half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    """json.dump to a temporary file beside `path`, renamed over it: a stop, a kill or a full disk never leaves half
+    a file; a failure is one line."""
+    try:
+        write_file(path, json.dumps(obj, indent=1))
+    except OSError as e:
+        raise UserError(f"could not write {path} ({e.strerror}): free some space and run the same command again") \
+            from None
 
 
 def trunk_digest(trunk):

@@ -1,10 +1,13 @@
 """Where a stage's wall time went, from the process's start: start-up (to its first training step), compiling,
 training steps, epoch ends, kNN, evaluation and exit. The parts add up to the wall time: `steps` is what the
-training loop took besides the other parts. Each run prints its split at its end and appends it to
-OUTPUT_DIR/timing.txt (one JSON line an invocation)."""
+training loop took besides the other parts. Each run writes its split to OUTPUT_DIR/timing.txt (one JSON line an
+invocation) at each epoch's end, replacing its own line (a kill leaves the split up to its last epoch), and at its
+end, where it prints it too."""
 import json
 import os
 import time
+
+from sce import write_file
 
 PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]
 _IMPORTED = time.time()
@@ -17,6 +20,22 @@ MARKS = []  # (name, time) of mark(): the parts of start-up
 def mark(name):
     """The end of a part of start-up: `name` took the time since the previous mark (or the process's start)."""
     MARKS.append((name, time.time()))
+
+
+def lines(output_dir, but=None):
+    """The lines of OUTPUT_DIR/timing.txt, one an invocation, as dicts, but the line `but` (a line an earlier
+    version's kill cut short is skipped)."""
+    rows = []
+    for line in _text_lines(os.path.join(output_dir, "timing.txt")):
+        try:
+            rows += [json.loads(line)] if line != but else []
+        except ValueError:
+            pass
+    return rows
+
+
+def _text_lines(path):
+    return open(path).read().splitlines() if os.path.isfile(path) else []
 
 
 def process_start():
@@ -42,6 +61,8 @@ class Split:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.loop_start = self.loop_end = None
         self.logged_at_loop = 0.0
+        self.after_loop = 0.0  # what timed() took after the loop's end (the demo's last kNN): not exit's
+        self.written = None  # this invocation's line of timing.txt, once written
 
     def loop(self):
         if self.loop_start is None:
@@ -52,11 +73,13 @@ class Split:
 
     def timed(self, name, fn, *args, **kwargs):
         """fn(*args, **kwargs), its wall time added to `name`, less what compiled in it."""
-        logged, start = self.compiles.total(), time.time()
+        logged, start, after_loop = self.compiles.total(), time.time(), self.loop_end is not None
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds[name] += time.time() - start - (self.compiles.total() - logged)
+            took = time.time() - start
+            self.seconds[name] += took - (self.compiles.total() - logged)
+            self.after_loop += took if after_loop else 0.0
 
     def done(self):
         if self.loop_start is not None and self.loop_end is None:
@@ -71,9 +94,9 @@ class Split:
         end = self.loop_end or now
         parts["compiling"] += self.compiles.total() - self.logged_at_loop
         parts["startup"] = self.loop_start - self.start
-        inside = sum(parts[p] for p in PARTS if p not in ("startup", "steps", "exit"))
+        inside = sum(parts[p] for p in PARTS if p not in ("startup", "steps", "exit")) - self.after_loop
         parts["steps"] = max(0.0, end - self.loop_start - inside)
-        parts["exit"] = now - end
+        parts["exit"] = now - end - self.after_loop
         return parts, wall
 
     def startup_parts(self):
@@ -85,20 +108,35 @@ class Split:
                 parts[name], last = parts.get(name, 0.0) + at - last, at
         return dict(parts, rest=end - last) if parts else {}
 
-    def write(self, output_dir, **fields):
-        """Print the split and append it to OUTPUT_DIR/timing.txt (with `fields`); returns the line's dict."""
+    def save(self, output_dir, **fields):
+        """This invocation's line of OUTPUT_DIR/timing.txt (with `fields`), written anew in place of its previous one;
+        a failure (a full disk) is said in one line, never raised: the run's own error, if any, is the one to see.
+        Returns the line's dict."""
         parts, wall = self.report()
-        startup = self.startup_parts()
+        line = dict(fields, wall_s=round(wall, 3), **{f"{p}_s": round(parts[p], 3) for p in PARTS},
+                    startup_parts={k: round(v, 3) for k, v in self.startup_parts().items()})
+        path, text = os.path.join(output_dir, "timing.txt"), json.dumps(line)
+        try:
+            write_file(path, "".join(f"{row}\n" for row in _text_lines(path) if row != self.written) + text + "\n")
+            self.written = text
+        except OSError as e:
+            print(f"=> could not write {path} ({e.strerror}): this invocation's time split is not kept", flush=True)
+        return line
+
+    def earlier_wall(self, output_dir):
+        """The wall time of the stage's earlier invocations, as OUTPUT_DIR/timing.txt has them."""
+        return sum(row.get("wall_s", 0.0) for row in lines(output_dir, but=self.written))
+
+    def write(self, output_dir, **fields):
+        """Print the split and write it to OUTPUT_DIR/timing.txt (save); returns the line's dict."""
+        line = self.save(output_dir, **fields)
+        startup = line["startup_parts"]
 
         def said(name):
-            text = f"{name.replace('_', ' ')} {parts[name]:.1f} s"
+            text = f"{name.replace('_', ' ')} {line[f'{name}_s']:.1f} s"
             if name == "startup" and startup:
                 text += " (" + ", ".join(f"{k} {v:.1f}" for k, v in startup.items()) + ")"
             return text
-        shown = ", ".join(said(name) for name in PARTS if parts[name] >= 0.05)
-        print(f"=> wall time {wall:.1f} s: {shown or 'nothing measured'}", flush=True)
-        line = dict(fields, wall_s=round(wall, 3), **{f"{p}_s": round(parts[p], 3) for p in PARTS},
-                    startup_parts={k: round(v, 3) for k, v in startup.items()})
-        with open(os.path.join(output_dir, "timing.txt"), "a") as f:
-            f.write(json.dumps(line) + "\n")
+        shown = ", ".join(said(name) for name in PARTS if line[f"{name}_s"] >= 0.05)
+        print(f"=> wall time {line['wall_s']:.1f} s: {shown or 'nothing measured'}", flush=True)
         return line

@@ -1,6 +1,7 @@
 """main_pretrain.py as users run it: the methods and their options, the device augmentation lowering the loss, the
 views' preview, MoCo's spellings, the embedded demo."""
 import glob
+import json
 import os
 import re
 
@@ -11,6 +12,7 @@ from PIL import Image
 from conftest import TINY, assert_trained, load, pretrain, run_script, write_imagefolder
 import main_pretrain
 from sce import UserError
+from sce.timing import PARTS
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
@@ -101,6 +103,10 @@ def test_demo_trains_and_prints_knn_line(tmp_path, monkeypatch, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"kNN top-1: \d+\.\d% \(untrained: \d+\.\d%\)", last), last
     assert_trained(tmp_path / "demo")
+    # its one kNN after training (none at the epochs' ends: --knn-every 0) is the split's kNN part, not its exit
+    timed = json.loads(open(tmp_path / "demo" / "timing.txt").read())
+    assert timed["knn_s"] > 0
+    assert sum(timed[f"{part}_s"] for part in PARTS) == pytest.approx(timed["wall_s"], abs=0.01)
 
 
 def test_two_runs_in_one_process_behave_as_two_processes(small, tmp_path, monkeypatch, capsys):

@@ -2,7 +2,10 @@
 uninterrupted one's weights, checkpoints survive a kill or a full disk mid-write, numbered ones are kept as asked,
 a checkpoint runs no code when loaded, and resumes that would not be exact or would overwrite another run are
 refused in one line. (Several ranks: test_distributed.py; every data route: test_data_routes.py.)"""
+import argparse
+import builtins
 import errno
+import io
 import json
 import os
 import re
@@ -16,10 +19,11 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, assert_same_state, assert_trained, load, pretrain, sends_signal_at, write_imagefolder
+from conftest import (REPO, assert_same_state, assert_trained, load, loss_hook, pretrain, sends_signal_at,
+                      write_imagefolder)
 import main_pretrain
-from sce import UserError, checkpoint, cli
-from sce.epoch import estimate_due
+from sce import UserError, checkpoint, cli, outdir, timing
+from sce.epoch import estimate_due, log_epoch
 from sce.optim import build_optimizer
 from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from sce.resume import effective
@@ -48,6 +52,11 @@ def test_resume_equals_uninterrupted_run(small, tmp_path, capsys):
     assert "resuming from" in again and "log.txt lacks epoch 1" in again
     assert "=> checkpoint_0001.pth was lost by a kill after its checkpoint was saved: made again" in again
     assert (tmp_path / "b" / "checkpoint_0001.pth").read_bytes() == saved
+    # the resumed invocation's estimate (after epoch 2, its first) counts the first invocation's time too
+    estimate, first_wall = (json.load(open(tmp_path / "b" / "estimate.json")),
+                            json.loads(open(tmp_path / "b" / "timing.txt").readline())["wall_s"])
+    assert estimate["earlier_s"] == first_wall > 0
+    assert estimate["stage_s"] == pytest.approx(first_wall + estimate["wall_s"] + estimate["left_s"])
     a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
     assert_same_state(a["model"], b["model"])
@@ -83,7 +92,7 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
     pretrain(small, tmp_path / "ref", "--epochs", 2, *extra)
     # the epochs' checkpoints are written in the background: slowed here, epoch 1's is still being written when
     # the stop comes (at epoch 2's first step); the stop waits for it, then saves its own
-    real, saves = checkpoint.save_atomic, []
+    real, saves, split_so_far = checkpoint.save_atomic, [], []
 
     def slow(state, path, second=None):
         logged = open(os.path.join(os.path.dirname(path), "log.txt")).read().count("\n") if os.path.isfile(
@@ -91,6 +100,8 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
         time.sleep(0.5)
         real(state, path, second)
         saves.append((state["epoch"], state["step_in_epoch"], logged))
+        if state["step_in_epoch"]:  # what a kill -9 here would leave of the split: up to epoch 1's end
+            split_so_far.extend(json.loads(line)["epochs"] for line in open(tmp_path / "run" / "timing.txt"))
     with monkeypatch.context() as m:
         m.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGUSR1, 3))  # epoch 1, step 0
         m.setattr(checkpoint, "save_atomic", slow)
@@ -98,10 +109,13 @@ def test_sigusr1_saves_mid_epoch_and_resumes_exactly(small, tmp_path, monkeypatc
             pretrain(small, tmp_path / "run", "--epochs", 2, *extra)
     assert stop.value.code == PREEMPTED_EXIT_CODE
     assert saves == [(1, 0, 0), (1, 1, 1)]  # epoch 1's line of log.txt once its checkpoint was on disk
+    assert split_so_far == [[0, 1]]  # timing.txt's line of the invocation, written at epoch 1's end
     ckpt = load(tmp_path / "run" / "checkpoint_last.pth")
     assert (ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]) == (1, 1, 3)
     assert (ckpt["scaler"] is not None) == ("fp16" in extra)
+    assert len(open(tmp_path / "run" / "timing.txt").readlines()) == 1  # replaced at the end, not added to
     pretrain(small, tmp_path / "run", "--epochs", 2, *extra)
+    assert [json.loads(line)["epochs"] for line in open(tmp_path / "run" / "timing.txt")] == [[0, 1], [1, 2]]
     a, b = load(tmp_path / "ref" / "checkpoint_last.pth"), load(tmp_path / "run" / "checkpoint_last.pth")
     assert a["step"] == b["step"] == 4 and int(b["model"]["queue_ptr"]) == 0
     assert_same_state(a["model"], b["model"])
@@ -125,6 +139,7 @@ def test_a_second_ctrl_c_while_the_stop_saves_leaves_at_once_in_one_line(small, 
         released.wait(60)  # never written (a process that left takes this thread with it)
     monkeypatch.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGINT, 3))  # epoch 2's first step
     monkeypatch.setattr(checkpoint, "save_atomic", stuck)
+    monkeypatch.setattr(timing, "STARTED", timing.STARTED)  # cli.run sets this process's start
     try:
         with pytest.raises(SystemExit) as left:
             cli.run(lambda: pretrain(small, tmp_path, "--epochs", 2))
@@ -253,7 +268,6 @@ def test_epochs_below_the_checkpoint_is_an_error_and_equal_is_complete(small, st
     (2, 2, None), (0, None, None)])
 def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatch, capsys, saved, gpus, note):
     """saved: CUDA random states in the checkpoint (one per GPU); gpus: this run's GPUs (None: no CUDA)."""
-    import argparse
     from sce import checkpoint
     from sce.resume import resume, run_state
     model = torch.nn.Linear(2, 2)
@@ -293,25 +307,70 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
     assert checkpoint.load(str(path)) == {"epoch": 4} and not tmp.exists()
 
 
-def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch):
+class FullDisk:
+    """A file opened for writing on a full disk: created, but no byte of it written."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch, capsys):
+    """The disk fills during a run: its checkpoint's error is the one line it ends with; the other files it writes
+    (estimate.json, timing.txt, TensorBoard's events) each fail with a line of their own, never over that error, and
+    leave no file empty or cut short."""
     out = tmp_path / "out"
     pretrain(small, out, "--epochs", 1)
     assert_trained(out)
     last = out / "checkpoint_last.pth"
-    before = last.read_bytes()
-    real_save = torch.save
+    before, kept = last.read_bytes(), {name: (out / name).read_bytes() for name in ("log.txt", "timing.txt")}
+    real_save, real_open, full = torch.save, open, []
 
     def full_disk(obj, f, *a, **k):
+        time.sleep(0.5)  # the epoch's end goes on while its checkpoint is written (and fails)
         f.write(b"PK\x03\x04 partial")  # a few bytes land, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_disk_open(file, mode="r", *a, **k):  # from the resumed run's first step on, in `out`
+        f = real_open(file, mode, *a, **k)
+        return FullDisk(f) if full and os.fsdecode(file).startswith(str(out)) and set(mode) & set("wa") else f
     monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    monkeypatch.setattr(io, "open", full_disk_open)  # TensorBoard's writer thread opens its file at each write
+    monkeypatch.setattr(main_pretrain.losses, "criterion", loss_hook(lambda call, loss: full.append(call) or loss))
+    thread_errors = []  # what would print a thread's traceback
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    capsys.readouterr()
     with pytest.raises(UserError) as err:
         pretrain(small, out, "--epochs", 2)
     message = str(err.value)
     assert "\n" not in message and f"could not write checkpoint {last}" in message
     assert "No space left on device" in message and "the previous checkpoint is kept" in message
-    monkeypatch.setattr(torch, "save", real_save)
+    said, errors = capsys.readouterr()
+    assert (f"=> could not write {out / 'timing.txt'} (No space left on device): this invocation's time split is not "
+            "kept") in said and "=> could not write estimate.json (No space left on device)" in said
+    assert f"=> TensorBoard could not write to {out} (No space left on device): no more of its events" in said
+    assert "Traceback" not in said + errors and not thread_errors
+    # log.txt and args.json: one line each, to end the run with (a rerun completes the epoch's line)
+    with pytest.raises(UserError, match=f"could not write {out / 'log.txt'} \\(No space left on device\\): free "
+                                        "some space and run the same command again, which completes its line"):
+        log_epoch(argparse.Namespace(output_dir=str(out)), 2, {"loss": 1.0}, None, None)
+    with pytest.raises(UserError, match=f"could not write {out / 'args.json'} \\(No space left on device\\)"):
+        outdir.write_json(str(out / "args.json"), {})
+    monkeypatch.undo()
     assert last.read_bytes() == before and checkpoint.load(str(last))["epoch"] == 1
+    assert {name: (out / name).read_bytes() for name in kept} == kept
     assert not [f for f in os.listdir(out) if ".tmp" in f]
 
 
