@@ -173,7 +173,8 @@ def parse_args(argv=None):
 
 
 def check_args(args, world_size=1, device=torch.device("cpu")):
-    """Impossible settings stop before anything is built, with one line; returns the BN splits."""
+    """Impossible settings stop before anything is built, with one line (sizes that cannot fit the device's memory
+    included); --workers above the cores is capped to them. Returns the BN splits."""
     cli.check_finite(args)
     if args.arch not in ARCHS:
         raise UserError(f"unknown arch '{args.arch}': use one of {', '.join(ARCHS)}")

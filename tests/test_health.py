@@ -248,11 +248,11 @@ def test_workers_are_capped_to_the_cores_and_end_with_their_parent(small, tmp_pa
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
                                 preexec_fn=lambda: os.sched_setaffinity(0, pinned))
     workers, left = [], None
-    try:
+    try:  # once both workers made a batch (epoch 1's 2 steps): each set itself up, its parent's death included
         deadline = time.time() + 240
-        while len(workers) < len(pinned) and proc.poll() is None and time.time() < deadline:
+        while "][2/2]" not in (tmp_path / "log").read_text() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-            workers = children(proc.pid)
+        workers = children(proc.pid)
         assert workers, (tmp_path / "log").read_text()[-3000:]
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
