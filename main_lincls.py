@@ -150,9 +150,9 @@ def evaluate(args, source, device):
         outdir.bind_evaluation(args.output_dir, args.pretrained or source, named, args.dataset, args.data)
     args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, frozen.ckpt.get("args"),
                                                        args.dataset)
-    linear = args.classifier == "linear"
-    batch = args.batch_size // du.world_size() if linear else 256  # else the features' batches
-    cli.check_memory(device, {f"{'--batch-size ' if linear else 'batches of '}{batch} images of {args.crop_size} px "
+    probe = args.classifier == "linear"
+    batch = args.batch_size // du.world_size() if probe else 256  # else the features' batches
+    cli.check_memory(device, {f"{'--batch-size ' if probe else 'batches of '}{batch} images of {args.crop_size} px "
                               "(--crop-size): their pixels in float32": (batch * 3 * args.crop_size ** 2 * 4,
                                                                          "lower --batch-size or --crop-size")})
     if du.is_main():
