@@ -19,16 +19,9 @@ cd "$(dirname "$0")/.."
 mkdir -p "$DEST"
 export METHODS=${METHODS:-sce moco} PYTHON=${PYTHON:-python3}
 RUNS=${RUNS:-runs/repro}
-if [ ! -d data/cifar10/train ]; then
-    mkdir -p data/cifar10 && tar -xzf data/cifar10-jpeg.tar.gz -C data/cifar10 || exit 1
-fi
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  "$PYTHON" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
-  echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null || echo 'unknown (no .git here: pass COMMIT=)')}"
-} > "$DEST/machine.txt" 2>&1
-nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.draw --format=csv -l 2 \
-    >> "$DEST/nvidia-smi.csv" 2>/dev/null &
-sampler=$!
+# shellcheck source=benchmarks/gpu_machine.sh
+source benchmarks/gpu_machine.sh
+machine "$DEST" || exit 1  # the data unpacked, machine.txt, nvidia-smi sampled ($sampler)
 # SIGTERM to reproduce.sh at the limit: it hands it to the running stage, which saves and stops while the display
 # goes on showing its lines (the script then exits 75); 20 s later, if it has not ended, SIGKILL to its children
 # (the stage, the display) and to it. Not `timeout`, which signals the display too.

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU command of the CIFAR-10 proxies (benchmarks/proxies.py: 30-epoch runs of the row's setting, one a variant)
+# under a time limit, nvidia-smi sampled every 2 s, the logs copied to OUT in four files (machine.txt,
+# nvidia-smi.csv, proxies.txt: the runner's output with its JSON lines and table, variants.log: each variant's
+# output). Run it again at once with the time left: the proxies finished are read back, a stopped one resumes
+# (runs/ stays while the machine is held; a fresh machine starts them again).
+#   bash benchmarks/gpu_proxies.sh LIMIT_S [OUT]    (OUT: default $OUT, else runs/gpu_out; VARIANTS: some of
+#                                                   proxies.py's, in its order by default; DRY_RUN=1: print the
+#                                                   commands, run none; COMMIT: the commit to record, where the
+#                                                   copy has no .git)
+# LIMIT_S counts from this script's start (the unpack included): no variant starts that the median of those
+# finished would not fit in, the running one is asked to save and stop at the limit, killed 30 s later; give the
+# command LIMIT_S + 60 s. The variants share the compile caches of runs/compile_cache (TORCHINDUCTOR_CACHE_DIR,
+# TRITON_CACHE_DIR). The data: data/cifar10/{train,val}, or unpacked here from data/cifar10-jpeg.tar.gz (carry that
+# file alone, 20 MB); the re-encoded copies are made here (runs/proxies/data-qN).
+set -u
+START=$SECONDS
+LIMIT=${1:?usage: bash benchmarks/gpu_proxies.sh LIMIT_S [OUT]}
+[[ $LIMIT =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got $LIMIT)" >&2; exit 2; }
+DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
+cd "$(dirname "$0")/.."
+mkdir -p "$DEST"
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/runs/compile_cache/inductor} \
+    TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/runs/compile_cache/triton}
+variants=(); [ -n "${VARIANTS:-}" ] && read -r -a variants <<< "--variants $VARIANTS"
+# shellcheck source=benchmarks/gpu_machine.sh
+source benchmarks/gpu_machine.sh
+machine "$DEST" || exit 1  # the data unpacked, machine.txt, nvidia-smi sampled ($sampler)
+if [ "${DRY_RUN:-0}" = 1 ]; then
+    kill "$sampler" 2>/dev/null
+    exec "$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --dry-run ${variants[@]+"${variants[@]}"}
+fi
+"$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --time-limit $(( LIMIT - (SECONDS - START) )) \
+    ${variants[@]+"${variants[@]}"} 2>&1 | tee -a "$DEST/proxies.txt"
+code=${PIPESTATUS[0]}
+kill "$sampler" 2>/dev/null
+for f in runs/proxies/*.log; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$DEST/variants.log"
+echo "exit $code" | tee -a "$DEST/proxies.txt"
+exit "$code"

@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Short proxies of the CIFAR-10 row: the reproduction's SCE pretraining (benchmarks/reproduce.sh cifar10, RECIPES.md's
+line, with a GPU's flags there) for a short whole schedule, once per variant, one after the other, each against
+the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the last epoch (k 200, T 0.07, on val).
+
+    python benchmarks/proxies.py --data data/cifar10 [--out runs/proxies] [--epochs 30] [--variants NAME ...]
+        [--time-limit SECONDS] [--smoke] [--dry-run]
+
+- The schedule: --epochs E, the warm-up 5 epochs of 200 scaled to E, the kNN monitor after the last epoch (and
+  after the first of each invocation, main_pretrain.py's measure for its estimate), a numbered checkpoint at
+  the end only.
+- Each variant trains in OUT/NAME (its output in OUT/NAME.log), as one main_pretrain.py process started by this
+  one, with the compile caches of every variant in OUT/compile_cache. Run again, the same command continues: a
+  finished variant is read back, a stopped one resumes (--resume auto), the others start.
+- --time-limit: counted from this script's start; a variant is not started when the median of the finished ones'
+  wall times would not fit in what is left, and the running one is asked to save and stop (SIGTERM) at the
+  limit. Exit 75 when variants are left (run the same command again), 1 when one failed, else 0.
+- jpeg-qN (any N): the data (train and val) re-encoded once more at quality N (benchmarks/reencode.py) into
+  OUT/data-qN, once.
+- --smoke: reproduce.sh's SMOKE setting (a small ImageFolder written from --data, 16 px crops, a tiny head, on
+  CPU), 1 epoch by default: checks the script, not the numbers.
+Prints a JSON line a variant (as each ends, or read back), then a table, also in OUT/results.md and results.json.
+"""
+import argparse
+import fcntl
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+sys.path.insert(0, BENCH)
+sys.path.insert(0, REPO)
+from reencode import reencode  # noqa: E402
+from reproduce_tools import stage_split  # noqa: E402
+from sce import PREEMPTED_EXIT_CODE, UserError  # noqa: E402  (no torch)
+
+# name: (method, flags beyond the row's, the variant it is compared with, what it measures)
+VARIANTS = {
+    "default": ("sce", [], "default", "the row's setting"),
+    "seed1": ("sce", ["--seed", "1"], "default", "another seed: the noise"),
+    "jpeg-q75": ("sce", [], "default", "the data re-encoded at quality 75 (nearly lossless on a q75 copy)"),
+    "jpeg-q50": ("sce", [], "default", "the data re-encoded at quality 50 (about the copy's squared error again)"),
+    "split-bn-all": ("sce", ["--split-bn", "all"], "default", "every BN layer split in 8 (the H200 row's)"),
+    "noblur": ("sce", ["--online-aug", "strong-noblur"], "default", "the strong view without blur"),
+    "fp16": ("sce", ["--amp", "fp16"], "default", "fp16 with GradScaler (the authors'; no CUDA graph)"),
+    "moco": ("moco", [], "moco", "MoCo v2 (two strong views)"),
+    "moco-noblur": ("moco", ["--online-aug", "strong-noblur", "--target-aug", "strong-noblur"], "moco",
+                    "MoCo v2 without blur on either view"),
+    "fp32": ("sce", ["--amp", "none"], "default", "fp32 (no autocast)"),
+}
+JPEG = re.compile(r"jpeg-q(\d+)$")
+EPOCHS = 30  # five proxies in one 10-minute command on one H100, the first compiling cold (docs/benchmarks.md)
+
+
+def variant(name):
+    """(method, flags, against, what) of a variant name; jpeg-qN for any quality N (its data OUT/data-qN)."""
+    match = JPEG.match(name)
+    if name not in VARIANTS and not match:
+        raise UserError(f"unknown variant '{name}': use some of {', '.join(VARIANTS)}, or jpeg-qN for a quality N")
+    method, flags, against, what = VARIANTS.get(name) or ("sce", [], "default", f"the data re-encoded at quality "
+                                                                                  f"{match.group(1)}")
+    if match:
+        flags = ["--data", f"data-q{match.group(1)}", "--knn-data", f"data-q{match.group(1)}"]
+    return method, flags, against, what
+
+
+def row_commands(data, out, smoke):
+    """{method: argv} of the reproduction's pretraining for SCE and MoCo v2 (reproduce.sh's DRY_RUN), and the data
+    folder they read."""
+    env = dict(os.environ, DRY_RUN="1", METHODS="sce moco", PYTHON=sys.executable, SMOKE="1" if smoke else "0")
+    said = subprocess.run(["bash", os.path.join(BENCH, "reproduce.sh"), "cifar10", data, os.path.join(out, "row")],
+                          capture_output=True, text=True, env=env)
+    if said.returncode:
+        raise UserError(said.stderr.strip().splitlines()[-1].removeprefix("error: ") if said.stderr.strip()
+                        else f"reproduce.sh exited {said.returncode}")
+    commands = {m: shlex.split(cmd) for m, cmd in re.findall(r"^=== (\w+) pretrain: (.*)$", said.stdout, re.M)}
+    argv = commands["sce"]
+    return commands, argv[argv.index("--data") + 1]
+
+
+def command(name, commands, out, epochs):
+    """The argv of a variant: the row's command, its schedule shortened, the variant's flags and folder."""
+    method, flags, _, _ = variant(name)
+    flags = [os.path.join(out, f) if f.startswith("data-q") else f for f in flags]
+    return merged(commands[method], ["--epochs", str(epochs), "--warmup-epochs", f"{5 * epochs / 200:g}",
+                                     "--knn-every", str(epochs), "--save-freq", str(epochs), *flags,
+                                     "--output-dir", os.path.join(out, name)])
+
+
+def merged(argv, extra):
+    """argv then extra, each flag (with its values) kept at its last occurrence only, as argparse would read it."""
+    words = argv + extra
+    starts = [i for i, w in enumerate(words) if w.startswith("--")] + [len(words)]
+    groups = [words[a:b] for a, b in zip(starts, starts[1:])]
+    last = {g[0]: i for i, g in enumerate(groups)}
+    return words[:starts[0]] + [w for i, g in enumerate(groups) if last[g[0]] == i for w in g]
+
+
+def reencoded(name, root, out):
+    """OUT/data-qN for a jpeg-qN variant: the data re-encoded at quality N, made once."""
+    match = JPEG.match(name)
+    if match and not os.path.isdir(os.path.join(out, f"data-q{match.group(1)}")):
+        said = reencode(root, os.path.join(out, f"data-q{match.group(1)}"), int(match.group(1)),
+                        len(os.sched_getaffinity(0)))
+        print(json.dumps(dict(what="reencode", quality=int(match.group(1)), **said)), flush=True)
+
+
+def result(name, out, epochs):
+    """A variant's row from its folder: kNN top-1 of its last epoch (None until it is finished), wall time."""
+    folder, row = os.path.join(out, name), dict(variant=name, knn_top1=None, epochs_done=0)
+    log = os.path.join(folder, "log.txt")
+    lines = [json.loads(line) for line in open(log) if line.strip()] if os.path.isfile(log) else []
+    if lines:
+        row.update(epochs_done=lines[-1]["epoch"], images_per_s=round(statistics.median(
+            line.get("images_per_s", 0) for line in lines)))
+        if lines[-1]["epoch"] == epochs:
+            row["knn_top1"] = round(lines[-1]["knn_top1"], 2) if "knn_top1" in lines[-1] else None
+    split = stage_split(folder)
+    if split:
+        row.update({f"{k}_s": round(split[k], 1) for k in ("wall", "compiling", "steps")})
+    return row
+
+
+class Runner:
+    """Runs the variants' processes, one at a time, under the time limit; a stop signal goes to the running one."""
+
+    def __init__(self, limit, start):
+        self.limit, self.start, self.child, self.stopping = limit, start, None, False
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(s, self.stop)
+
+    def stop(self, *_):
+        self.stopping = True
+        if self.child and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)  # it saves and stops
+
+    def left(self):
+        return self.limit - (time.time() - self.start) if self.limit else float("inf")
+
+    def run(self, argv, log, env):
+        """The process's exit code; SIGTERM at the limit, SIGKILL 30 s later."""
+        with open(log, "a") as f:
+            self.child = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            return self.child.wait(timeout=max(1.0, self.left()) if self.limit else None)
+        except subprocess.TimeoutExpired:
+            print(f"=> the time limit of {self.limit} s: stopping {os.path.basename(log)[:-4]}", flush=True)
+            self.stop()
+            try:
+                return self.child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                return self.child.wait()
+        finally:
+            while self.child.poll() is None:  # a signal interrupted the wait: let it save
+                time.sleep(0.2)
+
+
+def table(rows, out):
+    """The results beside each variant's reference, to OUT/results.md and results.json; printed."""
+    lines = ["| variant | what | kNN top-1 | against | difference | wall | status |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        top1 = "-" if r["knn_top1"] is None else f"{r['knn_top1']:.2f}"
+        diff = "-" if r.get("difference") is None else f"{r['difference']:+.2f}"
+        wall = f"{r['wall_s'] / 60:.1f} min" if r.get("wall_s") else "-"
+        lines.append(f"| {r['variant']} | {r['what']} | {top1} | {r['against']} | {diff} | {wall} | {r['status']} |")
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+    print("\n" + text + f"\n(results.md and results.json in {out})", flush=True)
+
+
+def hold(out, settings):
+    """OUT, held by this invocation (the lock file's descriptor, returned), if it holds no proxies of other
+    settings."""
+    os.makedirs(out, exist_ok=True)
+    lock = open(os.path.join(out, ".lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"{out} is in use by another proxies.py: wait for it to end, or pass another --out")
+    path = os.path.join(out, "proxies.json")
+    if os.path.isfile(path) and json.load(open(path)) != settings:
+        raise UserError(f"{out} holds the proxies of {json.load(open(path))}, not of {settings}: pass those "
+                        "--data, --epochs and --smoke to continue them, or another --out")
+    return lock
+
+
+def variant_row(name, runner, rows, commands, root, out, epochs, env):
+    """A variant's row, printed as a JSON line: read back when finished, else run unless the time left is less
+    than the median wall time of the rows so far."""
+    method, flags, against, what = variant(name)
+    row = result(name, out, epochs)
+    status = "earlier" if row["epochs_done"] == epochs else None
+    walls = [r["wall_s"] for r in rows if r["status"] in ("ran", "earlier") and r.get("wall_s")]
+    if status:
+        pass
+    elif runner.stopping or runner.left() <= 0 or (walls and runner.left() < statistics.median(walls)):
+        status = "not run"
+    else:
+        reencoded(name, root, out)
+        argv = command(name, commands, out, epochs)
+        print(f"=== {name}: {shlex.join(argv)}", flush=True)
+        code = runner.run(argv, os.path.join(out, f"{name}.log"), env)
+        row = result(name, out, epochs)
+        if row["epochs_done"] == epochs:
+            status = "ran"
+        elif runner.stopping or code in (PREEMPTED_EXIT_CODE, -signal.SIGTERM):
+            status = "stopped"
+        else:
+            status = f"failed (exit {code}, see {name}.log)"
+    reference = row if against == name else result(against, out, epochs)
+    difference = (None if row["knn_top1"] is None or reference["knn_top1"] is None
+                  else round(row["knn_top1"] - reference["knn_top1"], 2))
+    row.update(what=what, method=method, flags=" ".join(flags), against=against, difference=difference,
+               status=status, epochs=epochs)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="CIFAR-10: an ImageFolder (train/, val/) or its official files")
+    parser.add_argument("--out", default=os.path.join(REPO, "runs", "proxies"), help="default: runs/proxies")
+    parser.add_argument("--epochs", type=int, help=f"the schedule of each proxy (default: {EPOCHS}; --smoke: 1)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
+                        help=f"in this order (default: {' '.join(VARIANTS)}); also jpeg-qN for a quality N")
+    parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS", help="0: none (default)")
+    parser.add_argument("--smoke", action="store_true", help="reproduce.sh's SMOKE setting, on CPU")
+    parser.add_argument("--dry-run", action="store_true", help="print each variant's command, run none")
+    args = parser.parse_args(argv)
+    start, epochs = time.time(), args.epochs or (1 if args.smoke else EPOCHS)
+    for name in args.variants:
+        variant(name)  # an unknown name stops before anything runs
+    out, settings = os.path.abspath(args.out), dict(data=os.path.realpath(args.data), epochs=epochs, smoke=args.smoke)
+    lock = hold(out, settings)  # noqa: F841  (held until this process ends)
+    commands, root = row_commands(args.data, out, args.smoke)
+    if args.dry_run:
+        for name in args.variants:
+            print(f"=== {name}: {shlex.join(command(name, commands, out, epochs))}", flush=True)
+        return
+    with open(os.path.join(out, "proxies.json"), "w") as f:
+        json.dump(settings, f)
+    env = dict(os.environ, SCE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "compile_cache", "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "compile_cache", "triton"))
+    runner, rows = Runner(args.time_limit, start), []
+    for name in args.variants:
+        rows.append(variant_row(name, runner, rows, commands, root, out, epochs, env))
+    table(rows, out)
+    left = [r["variant"] for r in rows if r["status"] in ("not run", "stopped")]
+    if left:
+        print(f"=> left: {' '.join(left)}: run the same command again to continue", flush=True)
+    failed = any(r["status"].startswith("failed") for r in rows)
+    sys.exit(1 if failed else PREEMPTED_EXIT_CODE if left else 0)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")

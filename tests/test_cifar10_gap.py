@@ -1,0 +1,150 @@
+"""The benchmarks that measure the CIFAR-10 gap (benchmarks/reencode.py, calibrate_jpeg.py, proxies.py), on small
+files written here: the re-encoded copy's tree, sampling and quality; airbench's data pair from an ImageFolder;
+the proxies runner's SMOKE mode, its results read back and its time limit."""
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, JpegImagePlugin
+from sklearn.datasets import load_sample_image
+
+from conftest import REPO, write_imagefolder
+from sce import UserError
+
+CIFAR10 = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def bench(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_jpegs(root, classes, per_class, quality=95, subsampling="4:4:4"):
+    """root/<class>/<i>.jpg: 32x32 pictures, each a crop of a photo scaled down (CIFAR-like content)."""
+    photo, rng = Image.fromarray(load_sample_image("china.jpg")), np.random.default_rng(0)
+    for name in classes:
+        os.makedirs(os.path.join(root, name))
+        for i in range(per_class):
+            x, y = rng.integers(0, 300), rng.integers(0, 200)
+            photo.crop((x, y, x + 96, y + 96)).resize((32, 32)).save(os.path.join(root, name, f"{i}.jpg"),
+                                                                     quality=quality, subsampling=subsampling)
+
+
+def pixels(path):
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.float64)
+
+
+def test_reencode_keeps_the_tree_at_the_quality_and_sampling_asked(tmp_path, capsys):
+    """Every image of the tree, at the same path and size (a PNG becomes .jpg, other files are left out), 4:2:0
+    and libjpeg's tables of the quality asked as PIL reads them back; quality 50 damages more than 75, in the
+    PSNR it prints and in the pixels; an existing copy is left as it is; bad input is one UserError."""
+    reencode = bench("reencode")
+    src = tmp_path / "src"
+    write_jpegs(src / "train", ["a", "b"], 2)
+    Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(src / "train" / "b" / "flat.png")
+    (src / "notes.txt").write_text("not an image")
+    reencode.main([str(src), str(tmp_path / "q75"), "--quality", "75", "--workers", "1"])
+    said = {75: json.loads(capsys.readouterr().out)}
+    said[50] = reencode.reencode(str(src), str(tmp_path / "q50"), 50)
+    expected = ["train/a/0.jpg", "train/a/1.jpg", "train/b/0.jpg", "train/b/1.jpg", "train/b/flat.jpg"]
+    error = {}
+    for quality in (75, 50):
+        assert said[quality]["images"] == 5 and said[quality]["existed"] is False
+        dst = tmp_path / f"q{quality}"
+        assert reencode.image_files(str(dst)) == expected and not os.path.exists(str(dst) + ".partial")
+        reference = io.BytesIO()
+        Image.new("RGB", (32, 32)).save(reference, "JPEG", quality=quality)
+        for rel in expected:
+            image = Image.open(dst / rel)
+            source = src / rel.replace("flat.jpg", "flat.png")
+            assert image.format == "JPEG" and image.size == Image.open(source).size, rel
+            assert JpegImagePlugin.get_sampling(image) == 2, rel  # 4:2:0
+            assert image.quantization == Image.open(reference).quantization, rel
+        error[quality] = np.mean([((pixels(dst / r) - pixels(src / r)) ** 2).mean() for r in expected[:4]])
+    assert error[50] > error[75] > 0 and said[50]["psnr_db"] < said[75]["psnr_db"]
+    again = reencode.reencode(str(src), str(tmp_path / "q50"), 50)
+    assert again["existed"] is True and again["images"] == 5
+    with pytest.raises(UserError, match="outside PIL's 1-95"):
+        reencode.reencode(str(src), str(tmp_path / "q0"), 0)
+    with pytest.raises(UserError, match="no image files under"):
+        reencode.reencode(str(tmp_path / "q50" / "none"), str(tmp_path / "x"), 50)
+
+
+def test_calibration_writes_airbenchs_pair_from_an_imagefolder(tmp_path, monkeypatch):
+    """train.pt / test.pt under OUT/cifar10 as airbench reads them ({images: (N, 32, 32, 3) uint8, labels: int64,
+    classes}, loadable with weights_only): every image PIL's pixels of a file with its class's label in CIFAR-10's
+    order, the training images out of class order; other classes, or no GPU for the training, are one line."""
+    calibrate = bench("calibrate_jpeg")
+    assert calibrate.CIFAR10_CLASSES == CIFAR10  # torchvision's CIFAR10.classes, the release's label order
+    write_jpegs(tmp_path / "data" / "train", CIFAR10, 2, quality=75, subsampling="4:2:0")
+    write_jpegs(tmp_path / "data" / "val", CIFAR10, 1, quality=75, subsampling="4:2:0")
+    folder = calibrate.write_pair(str(tmp_path / "data"), str(tmp_path / "out"))
+    assert folder == str(tmp_path / "out" / "cifar10")
+    for name, split, n in (("train.pt", "train", 20), ("test.pt", "val", 10)):
+        pair = torch.load(os.path.join(folder, name), weights_only=True)
+        assert pair["classes"] == CIFAR10 and pair["images"].shape == (n, 32, 32, 3)
+        assert pair["images"].dtype == torch.uint8 and pair["labels"].dtype == torch.int64
+        files = {pixels(tmp_path / "data" / split / c / f).astype(np.uint8).tobytes(): label
+                 for label, c in enumerate(CIFAR10) for f in os.listdir(tmp_path / "data" / split / c)}
+        written = {image.numpy().tobytes(): int(label) for image, label in zip(pair["images"], pair["labels"])}
+        assert written == files, name
+    train = torch.load(os.path.join(folder, "train.pt"), weights_only=True)["labels"]
+    assert not torch.equal(train, train.sort().values)  # airbench whitens with the first images
+    write_jpegs(tmp_path / "other" / "train", ["a", "b"], 1)
+    with pytest.raises(UserError, match="has the classes a, b: airbench needs CIFAR-10's ten, named airplane"):
+        calibrate.write_pair(str(tmp_path / "other"), str(tmp_path / "out2"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="airbench trains on CUDA only"):
+        calibrate.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--workers", "1"])
+
+
+def proxies(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "proxies.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+
+
+def rows(stdout):
+    return {r["variant"]: r for r in map(json.loads, (line for line in stdout.splitlines() if line.startswith("{")))
+            if "variant" in r}
+
+
+def test_proxies_smoke_then_read_back_and_the_time_limit(tmp_path):
+    """--smoke: the row's SCE command (reproduce.sh's SMOKE setting) for each variant, each in its own folder with
+    its kNN after the last epoch; jpeg-q50 trains on a re-encoded copy of the data and is compared with the default;
+    a JSON line each and a table. Run again with a variant more and a limit already spent: the finished ones are
+    read back (nothing trains), the new one is left for the next invocation (exit 75). Another --epochs for the
+    same folder, or an unknown variant, is one line."""
+    data, out = write_imagefolder(tmp_path / "data", num_classes=2, per_class=4, size=16), tmp_path / "out"
+    first = proxies("--data", data, "--out", out, "--smoke", "--variants", "default", "jpeg-q50")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    ran = rows(first.stdout)
+    assert [r["status"] for r in ran.values()] == ["ran", "ran"] and ran["default"]["difference"] == 0.0
+    assert ran["jpeg-q50"]["against"] == "default" and 0 <= ran["jpeg-q50"]["knn_top1"] <= 100
+    assert ran["jpeg-q50"]["difference"] == round(ran["jpeg-q50"]["knn_top1"] - ran["default"]["knn_top1"], 2)
+    args = json.load(open(out / "jpeg-q50" / "args.json"))
+    assert args["data"] == args["knn_data"] == str(out / "data-q50") and args["epochs"] == 1
+    assert args["tau"] == 0.2 and args["tau_m"] == 0.1 and args["split_bn"] == "momentum"
+    assert sorted(os.listdir(out / "data-q50" / "train")) == ["class_000", "class_001"]  # SMOKE's copy, re-encoded
+    assert "| jpeg-q50 | the data re-encoded at quality 50" in (out / "results.md").read_text()
+    logs = {name: (out / f"{name}.log").read_text() for name in ran}
+    second = proxies("--data", data, "--out", out, "--smoke", "--variants", "default", "jpeg-q50", "split-bn-all",
+                     "--time-limit", 1)
+    assert second.returncode == 75, second.stdout[-3000:] + second.stderr[-3000:]
+    again = rows(second.stdout)
+    assert [r["status"] for r in again.values()] == ["earlier", "earlier", "not run"] and "=== " not in second.stdout
+    assert again["jpeg-q50"]["knn_top1"] == ran["jpeg-q50"]["knn_top1"] and not (out / "split-bn-all").exists()
+    assert {name: (out / f"{name}.log").read_text() for name in ran} == logs
+    assert "=> left: split-bn-all: run the same command again to continue" in second.stdout
+    for bad, message in ((["--epochs", "2"], "holds the proxies of"), (["--variants", "blur"], "unknown variant")):
+        said = proxies("--data", data, "--out", out, "--smoke", *bad)
+        assert said.returncode == 1 and said.stderr.startswith("error: ") and message in said.stderr
+        assert len(said.stderr.strip().splitlines()) == 1
