@@ -35,7 +35,7 @@ def get_parser():
                    "of a built-in dataset, or a VOCdevkit/VOC2007 tree (--dataset voc07)")
     cli.add_data_args(g, "small-input trunks (linear and kNN): auto decodes train and val once onto a GPU when they "
                       "fit in a quarter of its memory, then crops, flips and normalises batches there; device: always "
-                      "(on a CPU run, in host memory); off: the loader", data.DATASETS + ["voc07"])
+                      "(on a CPU run, in host memory); off: the loader", [*data.DATASETS, "voc07"])
     g.add_argument("--crop-size", type=int, default=None,
                    help="input size in pixels (default: a small-input trunk's pretraining crop size from its "
                         "checkpoint, else 32 CIFAR, 96 STL10, 64 Tiny-ImageNet, else 224)")
@@ -213,8 +213,6 @@ def linear(args, frozen, source, device, split):
     run = Run(args, probe, model, train.batches(probe.per_rank, sampler), val.batches(probe.per_rank), device,
               Preemption(world, args.dist_timeout), tensorboard, Writer(), split,
               Step(probe, model, sums, graphs_for(args, device, world)))
-    if start_epoch == args.epochs and acc[0] is None:  # a finished probe of an older version: measured again
-        acc = validate(probe, model, run.val, device)[:2]
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * probe.per_rank) * world)
     split.loop()

@@ -41,14 +41,10 @@ fi
 command -v "${PYTHON%% *}" > /dev/null || { echo "error: no Python interpreter '$PYTHON': pass PYTHON=/path/to/python" \
     "(the one requirements.txt was installed into)" >&2; exit 1; }
 
-# RECIPES.md's setting of each dataset: crop, EMA momentum, queue, SCE's temperatures (supp. Table 10's best)
-case $DATASET in
-    cifar10) CROP=32 EMA=0.99 QUEUE=4096 SCE_TEMPS="--tau 0.2 --tau-m 0.1" ;;
-    cifar100) CROP=32 EMA=0.99 QUEUE=4096 SCE_TEMPS="--tau 0.1 --tau-m 0.08" ;;
-    stl10) CROP=96 EMA=0.996 QUEUE=16384 SCE_TEMPS="--tau 0.1 --tau-m 0.04" ;;
-    tiny-imagenet) CROP=64 EMA=0.996 QUEUE=16384 SCE_TEMPS="--tau 0.1 --tau-m 0.07" ;;
-    *) echo "error: unknown dataset '$DATASET': use cifar10, cifar100, stl10 or tiny-imagenet" >&2; exit 1 ;;
-esac
+# RECIPES.md's setting of the dataset, its row in sce/layouts.py's DATASETS: CROP, EMA (momentum), QUEUE, SCE_TEMPS
+# (supp. Table 10's best); an unknown dataset is one line naming the known ones
+recipe=$($PYTHON benchmarks/reproduce_tools.py recipe "$DATASET") || exit 1
+eval "$recipe"
 [ -n "${METHODS// /}" ] || { echo "error: METHODS is empty: use some of sce ressl moco (or leave it unset: all)" >&2; exit 1; }
 for method in $METHODS; do
     case $method in sce|ressl|moco) ;; *) echo "error: unknown method '$method' in METHODS: use sce, ressl or moco" >&2; exit 1 ;; esac

@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """The Python steps of benchmarks/reproduce.sh:
 
+    recipe DATASET                        RECIPES.md's setting of DATASET (its row of sce.layouts.DATASETS) as shell
+                                          variables: CROP, EMA, QUEUE, SCE_TEMPS
     check DATASET DATA_DIR ENV_FILE [SMOKE_DIR]
                                           which layout DATA_DIR holds, read whole; writes FORMAT, ROOT and the
                                           split sizes as shell variables to ENV_FILE. With SMOKE_DIR (SMOKE=1): a
@@ -33,27 +35,38 @@ PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
          "stl10": {"sce": 89.94, "ressl": 89.05, "moco": 86.53},
          "tiny-imagenet": {"sce": 51.90, "ressl": 49.47, "moco": 45.93}}
 NAMES = {"sce": "SCE", "ressl": "ReSSL", "moco": "MoCo v2"}  # in the table's order
-# dataset -> the folder of its official download, and what that folder holds
-OFFICIAL = {"cifar10": ("cifar-10-batches-py", "CIFAR-10's python batches"),
-            "cifar100": ("cifar-100-python", "CIFAR-100's python batches"),
-            "stl10": ("stl10_binary", "STL-10's binaries"),
-            "tiny-imagenet": ("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/images, val/images and "
-                                                   "val/val_annotations.txt)")}
 LINEAR_SPEEDUP = 3.4  # without a kNN rate: the probe's images/s against pretraining's (one H100, 2026-11-27)
+
+
+def reproduced(dataset):
+    """The row of a dataset of the baselines table (one with a recipe), or one line naming them."""
+    known = [name for name, row in layouts.DATASETS.items() if row.recipe]
+    if dataset not in known:
+        raise UserError(f"unknown dataset '{dataset}': use {', '.join(known[:-1])} or {known[-1]}")
+    return layouts.DATASETS[dataset]
+
+
+def recipe(dataset):
+    """The shell variables of DATASET's recipe, for reproduce.sh to eval: the crop (its native size), the EMA
+    momentum, the queue and SCE's temperatures."""
+    row = reproduced(dataset)
+    print(f"CROP={row.native_size} EMA={row.recipe.ema_momentum} QUEUE={row.recipe.queue_size} "
+          f"SCE_TEMPS='--tau {row.recipe.tau} --tau-m {row.recipe.tau_m}'")
 
 
 def layout(dataset, data):
     """(format for --dataset, root for --data, what was found) of DATA_DIR, or a UserError naming what it
     expected."""
-    folder, what = OFFICIAL[dataset]
+    row = reproduced(dataset)
+    folder, what = row.download.folder, row.download.holds
     if os.path.isdir(os.path.join(data, folder)):
-        return dataset, os.path.join(data, folder) if dataset == "tiny-imagenet" else data, f"{what} in {folder}/"
+        return dataset, os.path.join(data, folder) if row.folders else data, f"{what} in {folder}/"
     if os.path.basename(os.path.normpath(data)) == folder or (
-            dataset == "tiny-imagenet" and os.path.isfile(os.path.join(data, "val", "val_annotations.txt"))):
+            row.reader == "tiny-imagenet" and os.path.isfile(os.path.join(data, "val", "val_annotations.txt"))):
         return dataset, data, what
-    if dataset.startswith("cifar") and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val")):
+    if row.image_folders and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val")):
         return "imagefolder", data, "image files in train/ and val/ class folders (ImageFolder)"
-    other = " or train/ and val/ class folders of image files" if dataset.startswith("cifar") else ""
+    other = " or train/ and val/ class folders of image files" if row.image_folders else ""
     raise UserError(f"{data} holds none of {dataset}'s layouts: expected {folder}/ ({what}, as downloaded){other}")
 
 
@@ -76,11 +89,12 @@ def check(dataset, data, env_file, smoke_dir=None):
 def split_sizes(fmt, root):
     """{pretrain, train, val: images} of a checked layout, as main_pretrain.py and main_lincls.py read it (STL-10
     pretrains on train + unlabeled)."""
-    if fmt in layouts.OFFICIAL_FILES:
+    row = layouts.DATASETS[fmt]
+    if not row.folders:
         sizes = layouts.official_sizes(fmt, layouts.official_folder(fmt, root)[1])
         return dict(sizes, pretrain=sizes["train"] + sizes.get("unlabeled", 0))
     classes, train = layouts.image_folder(os.path.join(root, "train"))
-    if fmt == "tiny-imagenet":
+    if row.reader == "tiny-imagenet":
         val_classes, val = None, layouts.tiny_imagenet_val(os.path.join(root, "val"), classes)
     else:
         val_classes, val = layouts.image_folder(os.path.join(root, "val"))
@@ -140,17 +154,17 @@ def split_images(fmt, root, split):
     """(index, class, a function returning the PIL image) of a checked layout's train or val split, in order, as
     main_lincls.py reads them; with numpy and PIL (no torch): CIFAR's batches, STL-10's column-major binaries."""
     from PIL import Image
-    if fmt in ("cifar10", "cifar100"):
-        _, train, test, _, _ = layouts.OFFICIAL_FILES[fmt]
-        folder = layouts.official_folder(fmt, root)[1]
+    row = layouts.DATASETS[fmt]
+    if row.reader == "cifar":
+        files, folder = row.download.files, layouts.official_folder(fmt, root)[1]
         i = 0
-        for name in train if split == "train" else test:
+        for name in files.train if split == "train" else files.test:
             entry = layouts.read_batch(os.path.join(folder, name))  # no code a pickle carries runs
             pixels = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
             for image, target in zip(pixels, layouts.labels(entry)):
                 yield i, int(target), lambda image=image: Image.fromarray(image)
                 i += 1
-    elif fmt == "stl10":
+    elif row.reader == "stl10":
         folder, name = layouts.official_folder(fmt, root)[1], "train" if split == "train" else "test"
         pixels = np.fromfile(os.path.join(folder, f"{name}_X.bin"), dtype=np.uint8).reshape(-1, 3, 96, 96)
         labels = np.fromfile(os.path.join(folder, f"{name}_y.bin"), dtype=np.uint8).astype(int) - 1
@@ -159,7 +173,7 @@ def split_images(fmt, root, split):
     else:
         classes, samples = layouts.image_folder(os.path.join(root, "train"))
         if split == "val":
-            samples = (layouts.tiny_imagenet_val(os.path.join(root, "val"), classes) if fmt == "tiny-imagenet"
+            samples = (layouts.tiny_imagenet_val(os.path.join(root, "val"), classes) if row.reader == "tiny-imagenet"
                        else layouts.image_folder(os.path.join(root, "val"))[1])
         for i, (path, target) in enumerate(samples):
             yield i, target, lambda path=path: Image.open(path).convert("RGB")
@@ -315,7 +329,9 @@ def table(dataset, out, methods):
 
 def main(argv):
     command, rest = argv[0], argv[1:]
-    if command == "check":
+    if command == "recipe":
+        recipe(*rest)
+    elif command == "check":
         check(*rest)
     elif command == "show":
         show(*rest[:7], rest[7:])

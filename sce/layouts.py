@@ -1,7 +1,9 @@
-"""Datasets' files, listed and checked whole without decoding an image and without torch (benchmarks/reproduce.sh
+"""The datasets, one row each (`DATASETS`: how each is read, its official download, its native size, its recipe),
+and their files listed and checked whole without decoding an image and without torch (benchmarks/reproduce.sh
 checks its data with them in a second; sce.data.files reads through them): an ImageFolder's class folders and
 image files (a folder loop refused), CIFAR's python batches (each batch's images against its labels), STL-10's
 binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
+import dataclasses
 import os
 import pickle
 
@@ -9,20 +11,84 @@ import numpy as np
 
 from sce import UserError
 
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """The files of an official download read from its folder (train, test, meta), as torchvision reads them, and
+    the name torchvision gives the dataset."""
+    train: tuple
+    test: tuple
+    meta: tuple
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Download:
+    """A dataset's official download: its folder, what that holds (in words), names in it that tell it (the hint
+    where an ImageFolder was expected), and its Files (None: it holds train/ and val/ folders)."""
+    folder: str
+    holds: str
+    marks: tuple = ()
+    files: Files = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """RECIPES.md's setting of a dataset of the baselines table (Sec. 4.2; supp.), the one benchmarks/reproduce.sh
+    runs: the EMA momentum, the queue, and SCE's best temperatures (supp. Table 10)."""
+    ema_momentum: float
+    queue_size: int
+    tau: float
+    tau_m: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A --dataset. reader: its format, a branch of sce.data.files.build_dataset (folder: DATA/train and DATA/val
+    class folders; tiny-imagenet: those with val/'s annotations; cifar: python batches; stl10: binaries). native_size:
+    the size the paper pretrains and evaluates it at (None: an evaluation's 224). class_list: the classes kept of
+    its folders (a file in sce/data/; --class-list replaces it). image_folders: reproduce.sh also takes train/ and
+    val/ class folders of image files for it."""
+    reader: str
+    download: Download = None
+    native_size: int = None
+    class_list: str = None
+    recipe: Recipe = None
+    image_folders: bool = False
+
+    @property
+    def folders(self):
+        """Read from DATA/train and DATA/val, not from an official download's files."""
+        return self.download is None or self.download.files is None
+
+
+DATASETS = {
+    "imagefolder": Dataset("folder"),
+    "imagenet100": Dataset("folder", class_list="imagenet100.txt"),
+    "cifar10": Dataset("cifar", Download("cifar-10-batches-py", "CIFAR-10's python batches", ("data_batch_1",),
+                                         Files(tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",),
+                                               ("batches.meta",), "CIFAR10")),
+                       native_size=32, recipe=Recipe(0.99, 4096, tau=0.2, tau_m=0.1), image_folders=True),
+    "cifar100": Dataset("cifar", Download("cifar-100-python", "CIFAR-100's python batches",
+                                          files=Files(("train",), ("test",), ("meta",), "CIFAR100")),
+                        native_size=32, recipe=Recipe(0.99, 4096, tau=0.1, tau_m=0.08), image_folders=True),
+    "stl10": Dataset("stl10", Download("stl10_binary", "STL-10's binaries", ("train_X.bin",),
+                                       Files(("train_X.bin", "train_y.bin", "unlabeled_X.bin"),
+                                             ("test_X.bin", "test_y.bin"), (), "STL10")),
+                     native_size=96, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.04)),
+    "tiny-imagenet": Dataset("tiny-imagenet", Download("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/"
+                                                       "images, val/images and val/val_annotations.txt)",
+                                                       ("wnids.txt",)),
+                             native_size=64, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.07))}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
-# an official download given where an ImageFolder is read: its folder (or a file in it) -> its --dataset
-OFFICIAL_LAYOUTS = {"cifar-10-batches-py": "cifar10", "data_batch_1": "cifar10", "cifar-100-python": "cifar100",
-                    "stl10_binary": "stl10", "train_X.bin": "stl10", "tiny-imagenet-200": "tiny-imagenet",
-                    "wnids.txt": "tiny-imagenet"}
-# the official downloads' folder, files (train, test, meta) and name, as torchvision reads them
-OFFICIAL_FILES = {
-    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], ["batches.meta"],
-                "CIFAR10"),
-    "cifar100": ("cifar-100-python", ["train"], ["test"], ["meta"], "CIFAR100"),
-    "stl10": ("stl10_binary", ["train_X.bin", "train_y.bin", "unlabeled_X.bin"], ["test_X.bin", "test_y.bin"], [],
-              "STL10")}
 STL_IMAGE = 3 * 96 * 96
 CIFAR_IMAGE = 3 * 32 * 32
+
+
+def official_named(names):
+    """The dataset whose official download one of `names` (a folder's entries) tells, or None."""
+    return next((name for name, row in DATASETS.items() if row.download
+                 for mark in (row.download.folder, *row.download.marks) if mark in names), None)
 
 
 # ---------------------------------------------------------------- ImageFolder
@@ -33,7 +99,7 @@ def class_folders(directory):
     classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         names = os.listdir(directory)
-        official = next((OFFICIAL_LAYOUTS[n] for n in names if n in OFFICIAL_LAYOUTS), None)
+        official = official_named(names)
         fix = (f"it holds {official}'s official files: pass --dataset {official}" if official else
                "expected one sub-folder of images per class (ImageFolder layout)")
         raise UserError(f"{directory} has no class folders ({len(names)} files or hidden folders): {fix}")
@@ -104,7 +170,7 @@ def image_folder(directory):
 
 def no_images(directory, classes):
     """The error of an ImageFolder without images, naming the official download it holds if it is one."""
-    official = next((OFFICIAL_LAYOUTS[c] for c in classes if c in OFFICIAL_LAYOUTS), None)
+    official = official_named(classes)
     return UserError(f"no images found under {directory}: " + (
         f"it holds {official}'s official files: pass --dataset {official}" if official else
         "expected one sub-folder of images per class (ImageFolder layout)"))
@@ -128,16 +194,17 @@ def official_folder(dataset, root):
     """(the root torchvision reads, the folder of the files) of CIFAR or STL-10 under --data `root` (or `root`
     itself being that folder), every file present, each CIFAR batch's images as many as its labels, each STL-10
     binary whole images as many as its labels; else one line naming the first file at fault."""
-    base, train, test, meta, what = OFFICIAL_FILES[dataset]
-    folder = os.path.join(root, base)
+    row = DATASETS[dataset]
+    base, files = row.download.folder, row.download.files
+    folder, what = os.path.join(root, base), files.name
     if not os.path.isdir(folder) and os.path.basename(os.path.normpath(root)) == base:
         root, folder = os.path.dirname(os.path.normpath(root)), root  # --data pointed at the folder itself
-    names = train + test + meta
+    names = files.train + files.test + files.meta
     missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
     if missing:
         raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
                         f"in {base}/ under --data")
-    damaged = short_binary(folder, names) if dataset == "stl10" else damaged_batch(folder, names)
+    damaged = short_binary(folder, names) if row.reader == "stl10" else damaged_batch(folder, names)
     if damaged:
         raise UserError(f"{damaged}: download {what} again")
     return root, folder
@@ -146,13 +213,13 @@ def official_folder(dataset, root):
 def official_sizes(dataset, folder):
     """{split: images} of checked official files (official_folder): train, val (the test set), and STL-10's
     unlabeled."""
-    if dataset == "stl10":
+    if DATASETS[dataset].reader == "stl10":
         return {"train": os.path.getsize(os.path.join(folder, "train_y.bin")),
                 "val": os.path.getsize(os.path.join(folder, "test_y.bin")),
                 "unlabeled": os.path.getsize(os.path.join(folder, "unlabeled_X.bin")) // STL_IMAGE}
-    _, train, test, _, _ = OFFICIAL_FILES[dataset]
-    return {"train": sum(len(labels(read_batch(os.path.join(folder, n)))) for n in train),
-            "val": sum(len(labels(read_batch(os.path.join(folder, n)))) for n in test)}
+    files = DATASETS[dataset].download.files
+    return {"train": sum(len(labels(read_batch(os.path.join(folder, n)))) for n in files.train),
+            "val": sum(len(labels(read_batch(os.path.join(folder, n)))) for n in files.test)}
 
 
 def labels(entry):

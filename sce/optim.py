@@ -76,17 +76,11 @@ def build_optimizer(name, model, lr, weight_decay, momentum=0.9, exclude_bias_no
 
 
 def load_optimizer_state(optimizer, state):
-    """optimizer.load_state_dict, keeping this version's fused update (checkpoints of earlier
-    versions hold foreach SGD groups, and LARS groups whose weight decay SGD would apply)."""
+    """optimizer.load_state_dict, each group's lr a number again: a CUDA-graph run saves the device tensors it
+    filled (sce.cuda_graph.lr_as_tensors), and set_lr decides anew."""
     optimizer.load_state_dict(state)
     for group in optimizer.param_groups:
-        group["lr"] = float(group["lr"])  # a CUDA-graph run saves its lr tensors; set_lr decides again
-        for key, value in optimizer.defaults.items():  # keys SGD has and the old LARS did not save
-            group.setdefault(key, value)
-        group["fused"], group["foreach"] = True, None
-        if isinstance(optimizer, LARS) and "lars_weight_decay" not in group:
-            group["lars_weight_decay"], group["weight_decay"] = group["weight_decay"], 0.0
-            group.setdefault("trust_coefficient", 1e-3)
+        group["lr"] = float(group["lr"])
 
 
 def cosine_lr(step, total_steps, base_lr, warmup_steps=0):

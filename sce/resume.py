@@ -69,10 +69,6 @@ def effective(settings, key):
     """A saved or parsed setting as the run applies it (--wd-exclude-bias-norm unset: the optimizer's default)."""
     if key == "wd_exclude_bias_norm":
         return excludes_bias_norm(settings.get("optimizer"), settings.get(key))
-    if key == "split_bn":  # as the run applied it (None: no split BN, main_pretrain.py resolves it); runs from
-        if key in settings:  # before the flag split every BN layer where they split (one process, we assume)
-            return settings[key]
-        return "all" if settings.get("shuffle_bn") and (settings.get("bn_splits") or 1) > 1 else None
     return settings.get(key)
 
 
@@ -87,42 +83,29 @@ def as_typed(value):
 
 def check_mid_epoch(path, ckpt, args, data):
     """Steps done in the epoch are skipped from the order of (seed, epoch, dataset, batch): the same order
-    is needed, else images repeat or are skipped. Older checkpoints lack the fingerprint (or the size): what
-    they lack is not checked."""
-    num_images = data.get("num_images")
-    saved = ckpt["args"]
+    is needed, else images repeat or are skipped. data: the dataset's num_images, data_id and data_order."""
+    num_images, saved = data["num_images"], ckpt["args"]
     if saved.get("batch_size") != args.batch_size:
         raise UserError(f"{path} stopped mid-epoch with --batch-size {saved.get('batch_size')}: resume it with the "
                         f"same value (not {args.batch_size}), or from an epoch-end checkpoint")
-    if saved.get("seed", args.seed) != args.seed:
+    if saved.get("seed") != args.seed:
         raise UserError(f"{path} stopped mid-epoch with --seed {saved.get('seed')}: resume it with the same value "
                         f"(not {args.seed}), or from an epoch-end checkpoint")
-    if "data_order" in data and ckpt.get("data_order") != data["data_order"]:
+    if ckpt.get("data_order") != data["data_order"]:
         raise UserError(f"{path} stopped mid-epoch under an earlier version, which drew the epoch's order otherwise: "
                         "resume from an epoch-end checkpoint (checkpoint_NNNN.pth), or with the version that wrote it")
-    if None not in (ckpt.get("num_images"), num_images) and ckpt["num_images"] != num_images:
+    if ckpt["num_images"] != num_images:
         raise UserError(f"{path} stopped mid-epoch on {ckpt['num_images']} images: resume it on the same data "
                         f"(not {num_images} images), or from an epoch-end checkpoint")
-    if None not in (ckpt.get("data_id"), data.get("data_id")) and ckpt["data_id"] != data["data_id"]:
+    if ckpt["data_id"] != data["data_id"]:
         raise UserError(f"{path} stopped mid-epoch on other data (other files, labels or pixels): resume it on the "
                         "data it ran on, or from an epoch-end checkpoint")
 
 
-def renumber(path, output_dir, epoch, saved):
-    """The numbered copy of the epoch-end checkpoint `path` (this folder's checkpoint_last.pth) made again where a kill
-    lost it: earlier versions named it after checkpoint_last.pth was replaced, and a kill between the two lost it."""
-    numbered, last = checkpoint.numbered_path(output_dir, epoch), os.path.join(output_dir, "checkpoint_last.pth")
-    due = epoch > 0 and (epoch % saved.get("save_freq", 10) == 0 or epoch == saved.get("epochs"))
-    if due and not os.path.exists(numbered) and os.path.exists(last) and os.path.samefile(path, last):
-        checkpoint.link_atomic(path, numbered)
-        print(f"=> {os.path.basename(numbered)} was lost by a kill after its checkpoint was saved: made again",
-              flush=True)
-
-
 def resume(args, model, optimizer, scaler, rank, data=None):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
-    the checkpoint's epoch_stats and epoch_sums (None without a checkpoint, or one older than them). An --epochs
-    below the checkpoint's is refused. data: the dataset's num_images and data_id."""
+    the checkpoint's epoch_stats and epoch_sums (None without a checkpoint). An --epochs below the checkpoint's
+    is refused. data: the dataset's num_images, data_id and data_order (check_mid_epoch)."""
     path = find_resume(args)
     if not path:
         return 0, 0, None, None
@@ -134,28 +117,26 @@ def resume(args, model, optimizer, scaler, rank, data=None):
         was, is_now = effective(saved, key), effective(now, key)
         if key == "split_bn" and None in (was, is_now):  # split BN on one side only: --shuffle-bn, ranks decide
             continue
-        if (key in saved or key == "split_bn") and was != is_now:  # keys newer than the checkpoint: skipped
+        if was != is_now:
             flag = "--" + key.rstrip("_").replace("_", "-")
             raise UserError(f"{path} was trained with {flag} {as_typed(was)}, not {as_typed(is_now)}: pass the same "
                             "value or another --output-dir")
     if ckpt.get("step_in_epoch"):
-        check_mid_epoch(path, ckpt, args, data or {})
+        check_mid_epoch(path, ckpt, args, data)
     model.load_state_dict(ckpt["model"])
     load_optimizer_state(optimizer, ckpt["optimizer"])
     if scaler and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
-    epoch, step = ckpt["epoch"], ckpt.get("step_in_epoch", 0)
+    epoch, step = ckpt["epoch"], ckpt["step_in_epoch"]
     checkpoint.refuse_fewer_epochs(path, epoch, step, args.epochs)
     if rank == 0:
         print(f"=> resuming from {path}: epoch {epoch}, step {step} of the epoch", flush=True)
-        if step == 0:
-            renumber(path, args.output_dir, epoch, saved)
     saved_gpus, gpus = len(ckpt["rng"]["cuda"]), torch.cuda.device_count() if torch.cuda.is_available() else 0
     if saved_gpus == gpus > 0:
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     elif saved_gpus != gpus and rank == 0:  # one state per GPU: 8 do not map onto 4
         print(f"=> note: checkpoint saved the CUDA random state of {saved_gpus} GPUs, this run has "
               f"{gpus or 'none'}: continuing, but not bit-exact", flush=True)
-    return epoch, step, ckpt.get("epoch_stats"), ckpt.get("epoch_sums")
+    return epoch, step, ckpt["epoch_stats"], ckpt["epoch_sums"]

@@ -1,10 +1,8 @@
-"""LARS (against its formula; old optimizer states load into the fused step) and the weight-decay exclusions."""
+"""LARS (against its formula) and the weight-decay exclusions."""
 import torch
 import torch.nn as nn
 
-from sce.engine import train_step
-from sce.optim import LARS, build_optimizer, load_optimizer_state, param_groups
-from test_step import make_training, views
+from sce.optim import LARS, build_optimizer, param_groups
 
 
 def test_bias_and_norm_parameters_are_excluded():
@@ -69,18 +67,3 @@ def test_lars_matches_its_formula_over_two_steps():
         expected = expected - 0.5 * buf
         opt.step()
         assert torch.allclose(w.detach(), expected, atol=1e-6)
-
-
-def test_old_optimizer_states_load_into_the_fused_step():
-    t = make_training("lars")
-    train_step(t, views(0), 0.9)
-    state = t.optimizer.state_dict()
-    # as the previous LARS (a plain Optimizer) saved its groups: its own keys only, weight decay among them
-    state["param_groups"] = [{"params": g["params"], "lr": g["lr"], "momentum": g["momentum"],
-                              "weight_decay": g["lars_weight_decay"], "trust_coefficient": g["trust_coefficient"],
-                              "lars_exclude": g["lars_exclude"]} for g in state["param_groups"]]
-    fresh = make_training("lars")
-    load_optimizer_state(fresh.optimizer, state)
-    assert [g["lars_weight_decay"] for g in fresh.optimizer.param_groups] == [1e-4, 0.0]
-    assert all(g["weight_decay"] == 0.0 and g["fused"] for g in fresh.optimizer.param_groups)
-    train_step(fresh, views(1), 0.9)

@@ -8,6 +8,7 @@ import torch
 
 from conftest import REPO
 import main_pretrain
+from sce.layouts import DATASETS
 
 
 def recipe_commands():
@@ -36,9 +37,17 @@ COMMANDS = recipe_commands()
 
 
 def test_recipes_cover_the_paper():
+    """Every dataset of the baselines table (a row of sce.layouts.DATASETS with a recipe, what reproduce.sh runs)
+    has its line here, with the row's crop (its native size), EMA momentum, queue and temperatures."""
     assert len(COMMANDS) >= 4 + 1 + 11 + 10 + 8 + 16 + 3 + 5 + 1
     datasets = {c[c.index("--dataset") + 1] for c in COMMANDS if "--dataset" in c}
-    assert datasets == {"cifar10", "cifar100", "stl10", "tiny-imagenet", "imagenet100"}
+    table = [name for name, row in DATASETS.items() if row.recipe]
+    assert datasets == {"cifar10", "cifar100", "stl10", "tiny-imagenet", "imagenet100"} == {*table, "imagenet100"}
+    for name in table:
+        args = main_pretrain.parse_args(next(c for c in COMMANDS if f"--dataset {name} " in " ".join(c)))
+        row = DATASETS[name]
+        assert (args.crop_size, args.ema_momentum, args.queue_size, args.tau, args.tau_m) == (
+            row.native_size, row.recipe.ema_momentum, row.recipe.queue_size, row.recipe.tau, row.recipe.tau_m), name
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[-60:] for c in COMMANDS])

@@ -13,8 +13,8 @@
     preview     pictures of the views
 
 Nothing outside sce/data imports those modules: it imports this one."""
-from sce.data.evaluation import (NATIVE_SIZE, READER, EvalSplit, Geometry, eval_crop_size, eval_resize,  # noqa: F401
-                                 eval_route, eval_split, eval_splits, read_splits)
+from sce.data.evaluation import (READER, EvalSplit, Geometry, eval_crop_size, eval_resize, eval_route,  # noqa: F401
+                                 eval_split, eval_splits, read_splits)
 from sce.data.files import (DATASETS, ImageList, build_dataset, data_folder, digits_imagefolder, fingerprint,  # noqa: F401
                              read_voc07)
 from sce.data.images import decode_rgb_tensor, read_header  # noqa: F401
@@ -24,8 +24,8 @@ from sce.data.ops import MEAN, MIN_BLUR_SIZE, STD  # noqa: F401
 from sce.data.preloading import Budget, Images, preload  # noqa: F401
 from sce.data.preview import view_labels, views_grid, write_preview  # noqa: F401
 from sce.data.pretrain import READ, choose_route, from_flags, pretrain_batches  # noqa: F401
-from sce.data.samplers import ORDER_VERSION, ResumableSampler, Shard, ShuffledShards  # noqa: F401
-from sce.data.views import AUGMENTATIONS, ViewSpec, view_specs  # noqa: F401
+from sce.data.samplers import ORDER_VERSION, ResumableSampler, ShuffledShards  # noqa: F401
+from sce.data.views import AUGMENTATIONS, ViewSpec  # noqa: F401
 
 
 def resolve_decode(decode, device):

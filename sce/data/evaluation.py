@@ -27,11 +27,9 @@ from sce.data.jpeg import JpegDecoder
 from sce.data.preloading import preload, wanted
 from sce.data.samplers import Shard, epoch_order
 from sce.data.views import probe_crops
-from sce.layouts import check_classes
+from sce.layouts import DATASETS, check_classes
 from sce.preemption import ignore_stop_signals
 
-FOLDERS = ("imagefolder", "imagenet100", "tiny-imagenet")  # DATA/train and DATA/val
-NATIVE_SIZE = {"cifar10": 32, "cifar100": 32, "stl10": 96, "tiny-imagenet": 64}  # the paper evaluates them at it
 MODES = {"bilinear": F.InterpolationMode.BILINEAR, "bicubic": F.InterpolationMode.BICUBIC}
 
 
@@ -52,8 +50,9 @@ def eval_crop_size(given, small_input, ckpt_args=None, dataset="imagefolder"):
         return given, "--crop-size", warning
     if recorded:
         return recorded, "the crop size the small-input trunk was pretrained with", None
-    if dataset in NATIVE_SIZE:
-        return NATIVE_SIZE[dataset], f"the native size of {dataset}", None
+    native = DATASETS[dataset].native_size if dataset in DATASETS else None  # the paper evaluates it at it
+    if native:
+        return native, f"the native size of {dataset}", None
     return 224, "the protocol's 224", None
 
 
@@ -67,14 +66,15 @@ def num_classes_of(train, val, dataset, root):
     """Number of classes, checking there are two or more and that val has the same ones."""
     classes = getattr(train, "classes", None)
     n = len(classes) if classes else int(max(train.targets)) + 1
-    where = os.path.join(root, "train") if dataset in FOLDERS else root
+    where = os.path.join(root, "train") if DATASETS[dataset].folders else root
     return check_classes(n, classes, getattr(val, "classes", None), where, os.path.join(root, "val"))
 
 
 def read_splits(dataset, root, read="pil", class_list=None):
     """(train, val, number of classes) of `root` in the `dataset` layout (val: the test set of CIFAR / STL10)."""
     missing = [s for s in ("train", "val") if not os.path.isdir(os.path.join(root, s))]
-    if dataset in FOLDERS and os.path.isdir(root) and missing:  # else build_dataset names what is wrong
+    folders = dataset in DATASETS and DATASETS[dataset].folders  # DATA/train and DATA/val
+    if folders and os.path.isdir(root) and missing:  # else build_dataset names what is wrong
         raise UserError(f"{root} has no {missing[0]}/ folder: an evaluation needs {root}/train and {root}/val")
     train, val = (build_dataset(dataset, root, split, class_list=class_list, read=read) for split in ("train", "val"))
     return train, val, num_classes_of(train, val, dataset, root)

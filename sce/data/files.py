@@ -1,7 +1,7 @@
-"""Dataset readers, their images read by sce.data.images: ImageFolder with class lists (ImageNet100),
-Tiny-ImageNet's val annotations, CIFAR's python batches and STL10's binaries with a partial download named (their
-files listed and checked by sce.layouts), VOC2007's image lists, the demo's digits, and a dataset's
-fingerprint."""
+"""Dataset readers, their images read by sce.data.images: each --dataset (its row in sce.layouts.DATASETS) by
+the branch of build_dataset its format names (ImageFolder with class lists (ImageNet100), Tiny-ImageNet's val
+annotations, CIFAR's python batches and STL10's binaries with a partial download named, their files listed and
+checked by sce.layouts), VOC2007's image lists, the demo's digits, and a dataset's fingerprint."""
 import hashlib
 import os
 
@@ -12,12 +12,9 @@ from torchvision.datasets import STL10, ImageFolder
 
 from sce import UserError
 from sce.data.images import READERS, load_rgb
-from sce.layouts import (OFFICIAL_FILES, TINY_REMEDY, class_folders, labels, list_images, no_images, official_folder,
+from sce.layouts import (DATASETS, TINY_REMEDY, class_folders, labels, list_images, no_images, official_folder,
                          read_batch, tiny_imagenet_val)
 from sce.metrics import VOC_CLASSES
-
-IMAGENET100 = os.path.join(os.path.dirname(__file__), "imagenet100.txt")
-DATASETS = ["imagefolder", "imagenet100", "cifar10", "cifar100", "stl10", "tiny-imagenet"]
 
 
 class Folder(ImageFolder):
@@ -90,12 +87,13 @@ class CIFARFiles(Dataset):
     torchvision's plain pickle.load would run the code a crafted batch carries."""
 
     def __init__(self, root, train, transform=None, name="cifar10"):
-        base, train_files, test_files, meta, _ = OFFICIAL_FILES[name]
-        entries = [read_batch(os.path.join(root, base, name)) for name in (train_files if train else test_files)]
+        download = DATASETS[name].download
+        folder, files = os.path.join(root, download.folder), download.files
+        entries = [read_batch(os.path.join(folder, n)) for n in (files.train if train else files.test)]
         self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         self.targets = [int(t) for e in entries for t in labels(e)]
-        names = read_batch(os.path.join(root, base, meta[0]))
-        self.classes = names["label_names" if name == "cifar10" else "fine_label_names"]
+        names = read_batch(os.path.join(folder, files.meta[0]))
+        self.classes = names.get("fine_label_names", names.get("label_names"))  # CIFAR-100's, CIFAR-10's
         self.transform = transform
 
     def __len__(self):
@@ -119,7 +117,7 @@ def _official(cls, dataset, root, **kwargs):
     """cls(root / the files' folder), its files checked first (sce.layouts.official_folder: a missing, short or
     damaged file named in one line)."""
     root, folder = official_folder(dataset, root)
-    what = OFFICIAL_FILES[dataset][-1]
+    what = DATASETS[dataset].download.files.name
     try:
         ds = cls(root, **kwargs)
     except Exception as e:  # what the checks do not see: one line, not torchvision's traceback
@@ -129,16 +127,19 @@ def _official(cls, dataset, root, **kwargs):
     return ds
 
 
-def read_cifar(root, train, num_classes=10, transform=None):
-    """CIFAR python batches (cifar-10-batches-py/ or cifar-100-python/ under root)."""
-    dataset = "cifar10" if num_classes == 10 else "cifar100"
-    return _official(CIFARFiles, dataset, root, name=dataset, train=train, transform=transform)
-
-
-def read_stl10(root, split, transform=None):
-    """STL10 binaries (stl10_binary/ under root), via torchvision; split: train, test, unlabeled
-    or train+unlabeled (the train images first)."""
-    return _official(STL10Files, "stl10", root, split=split, transform=transform)
+def read_folders(root, train, transform=None, class_list=None, read="pil"):
+    """An ImageFolder's DATA/train, or DATA itself where it has no train/ (pretraining), or DATA/val, keeping the
+    classes `class_list` (a file of class ids) names."""
+    sub = os.path.join(root, "train" if train else "val")
+    if not os.path.isdir(sub):
+        if not train:
+            raise UserError(f"{root} has no val/ folder: evaluation needs DATA/train and DATA/val")
+        sub = root
+    keep = None
+    if class_list:
+        with open(class_list) as f:
+            keep = f.read().split()
+    return Folder(sub, transform, keep, read)
 
 
 def data_folder(root):
@@ -151,31 +152,24 @@ def data_folder(root):
 
 
 def build_dataset(name, root, split="train", transform=None, class_list=None, read="pil"):
-    """split: 'pretrain' (STL10: train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10).
-    read: how image files are read (READERS): PIL images, uint8 tensors, or plain JPEGs left encoded for the
-    device's decoder; CIFAR and STL10 images are PIL images."""
+    """The dataset `name` under `root`, read as its row of sce.layouts.DATASETS says. split: 'pretrain' (STL10:
+    train + unlabeled), 'train' or 'val' (the test set of CIFAR/STL10). read: how image files are read (READERS):
+    PIL images, uint8 tensors, or plain JPEGs left encoded for the device's decoder; CIFAR and STL10 images are PIL
+    images."""
     data_folder(root)
     if name not in DATASETS:
         raise UserError(f"unknown dataset '{name}': use one of {', '.join(DATASETS)}")
-    train = split in ("pretrain", "train")
-    if name in ("cifar10", "cifar100"):
-        ds = read_cifar(root, train, 10 if name == "cifar10" else 100, transform)
-    elif name == "stl10":
-        ds = read_stl10(root, "train+unlabeled" if split == "pretrain" else "train" if train else "test", transform)
-    else:
-        sub = os.path.join(root, "train" if train else "val")
-        if name == "tiny-imagenet" and not train:
-            return TinyImageNetVal(sub, class_folders(os.path.join(root, "train")), transform)
-        if not os.path.isdir(sub):
-            if not train:
-                raise UserError(f"{root} has no val/ folder: evaluation needs DATA/train and DATA/val")
-            sub = root
-        keep = None
-        if name == "imagenet100":
-            with open(class_list or IMAGENET100) as f:
-                keep = f.read().split()
-        return Folder(sub, transform, keep, read)
-    return ds
+    row, train = DATASETS[name], split in ("pretrain", "train")
+    if row.reader == "cifar":
+        return _official(CIFARFiles, name, root, name=name, train=train, transform=transform)
+    if row.reader == "stl10":  # torchvision's STL10 reads train+unlabeled with the train images first
+        part = "train+unlabeled" if split == "pretrain" else "train" if train else "test"
+        return _official(STL10Files, name, root, split=part, transform=transform)
+    if row.reader == "tiny-imagenet" and not train:
+        return TinyImageNetVal(os.path.join(root, "val"), class_folders(os.path.join(root, "train")), transform)
+    # the classes of the row's list, or of --class-list; none kept where the row has no list
+    keep = (class_list or os.path.join(os.path.dirname(__file__), row.class_list)) if row.class_list else None
+    return read_folders(root, train, transform, keep, read)
 
 
 def read_voc07(root, split):
