@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The Python steps of benchmarks/reproduce.sh:
 
+    methods [METHODS]                     the methods of the string METHODS (default: all), checked against PAPER
     recipe DATASET                        RECIPES.md's setting of DATASET (its row of sce.layouts.DATASETS) as shell
                                           variables: CROP, EMA, QUEUE, SCE_TEMPS
     check DATASET DATA_DIR ENV_FILE [SMOKE_DIR]
@@ -29,12 +30,11 @@ import numpy as np  # noqa: E402
 
 from sce import UserError, alive, layouts, timing  # noqa: E402  (no torch)
 
-# the paper's baselines table (Sec. 4.2), linear top-1: SCE, and the authors' reproductions of ReSSL and MoCo v2
-PAPER = {"cifar10": {"sce": 90.34, "ressl": 90.20, "moco": 87.56},
-         "cifar100": {"sce": 65.45, "ressl": 64.01, "moco": 61.00},
-         "stl10": {"sce": 89.94, "ressl": 89.05, "moco": 86.53},
-         "tiny-imagenet": {"sce": 51.90, "ressl": 49.47, "moco": 45.93}}
-NAMES = {"sce": "SCE", "ressl": "ReSSL", "moco": "MoCo v2"}  # in the table's order
+# the paper's baselines table (Sec. 4.2), a row per --method in the table's order: its name there and its linear
+# top-1 on each dataset (SCE's own; ReSSL's and MoCo v2's the authors' reproductions)
+PAPER = {"sce": ("SCE", {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "tiny-imagenet": 51.90}),
+         "ressl": ("ReSSL", {"cifar10": 90.20, "cifar100": 64.01, "stl10": 89.05, "tiny-imagenet": 49.47}),
+         "moco": ("MoCo v2", {"cifar10": 87.56, "cifar100": 61.00, "stl10": 86.53, "tiny-imagenet": 45.93})}
 LINEAR_SPEEDUP = 3.4  # without a kNN rate: the probe's images/s against pretraining's (one H100, 2026-11-27)
 
 
@@ -62,7 +62,7 @@ def layout(dataset, data):
     if os.path.isdir(os.path.join(data, folder)):
         return dataset, os.path.join(data, folder) if row.folders else data, f"{what} in {folder}/"
     if os.path.basename(os.path.normpath(data)) == folder or (
-            row.reader == "tiny-imagenet" and os.path.isfile(os.path.join(data, "val", "val_annotations.txt"))):
+            row.reader == "annotated-val" and os.path.isfile(os.path.join(data, "val", "val_annotations.txt"))):
         return dataset, data, what
     if row.image_folders and all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val")):
         return "imagefolder", data, "image files in train/ and val/ class folders (ImageFolder)"
@@ -94,7 +94,7 @@ def split_sizes(fmt, root):
         sizes = layouts.official_sizes(fmt, layouts.official_folder(fmt, root)[1])
         return dict(sizes, pretrain=sizes["train"] + sizes.get("unlabeled", 0))
     classes, train = layouts.image_folder(os.path.join(root, "train"))
-    if row.reader == "tiny-imagenet":
+    if row.reader == "annotated-val":
         val_classes, val = None, layouts.tiny_imagenet_val(os.path.join(root, "val"), classes)
     else:
         val_classes, val = layouts.image_folder(os.path.join(root, "val"))
@@ -155,7 +155,7 @@ def split_images(fmt, root, split):
     main_lincls.py reads them; with numpy and PIL (no torch): CIFAR's batches, STL-10's column-major binaries."""
     from PIL import Image
     row = layouts.DATASETS[fmt]
-    if row.reader == "cifar":
+    if row.reader == "cifar-batches":
         files, folder = row.download.files, layouts.official_folder(fmt, root)[1]
         i = 0
         for name in files.train if split == "train" else files.test:
@@ -164,7 +164,7 @@ def split_images(fmt, root, split):
             for image, target in zip(pixels, layouts.labels(entry)):
                 yield i, int(target), lambda image=image: Image.fromarray(image)
                 i += 1
-    elif row.reader == "stl10":
+    elif row.reader == "stl10-binaries":
         folder, name = layouts.official_folder(fmt, root)[1], "train" if split == "train" else "test"
         pixels = np.fromfile(os.path.join(folder, f"{name}_X.bin"), dtype=np.uint8).reshape(-1, 3, 96, 96)
         labels = np.fromfile(os.path.join(folder, f"{name}_y.bin"), dtype=np.uint8).astype(int) - 1
@@ -173,7 +173,7 @@ def split_images(fmt, root, split):
     else:
         classes, samples = layouts.image_folder(os.path.join(root, "train"))
         if split == "val":
-            samples = (layouts.tiny_imagenet_val(os.path.join(root, "val"), classes) if row.reader == "tiny-imagenet"
+            samples = (layouts.tiny_imagenet_val(os.path.join(root, "val"), classes) if row.reader == "annotated-val"
                        else layouts.image_folder(os.path.join(root, "val"))[1])
         for i, (path, target) in enumerate(samples):
             yield i, target, lambda path=path: Image.open(path).convert("RGB")
@@ -277,7 +277,7 @@ def stage_split(folder):
 
 def table(dataset, out, methods):
     rows, splits = {}, {}
-    for m in NAMES:
+    for m in PAPER:
         results = finished(out, m)
         if results is None:
             if m in methods:
@@ -290,7 +290,7 @@ def table(dataset, out, methods):
                             "run the same command again to complete it")
         rows[m] = dict(linear_top1=linear["acc1"], linear_best_top1=linear["best_acc1"],
                        knn_top1=last.get("knn_top1"),  # the last epoch's, never an earlier one's
-                       paper_linear_top1=PAPER[dataset][m], pretrain_s=None, linear_s=None)
+                       paper_linear_top1=PAPER[m][1].get(dataset), pretrain_s=None, linear_s=None)
         run = os.path.join(out, m)
         splits[m] = {"pretrain": stage_split(run), "linear": stage_split(os.path.join(run, "linear"))}
     times = {}
@@ -311,15 +311,16 @@ def table(dataset, out, methods):
              "|---|---|---|---|---|---|"]
     for m, r in rows.items():
         knn = "-" if r["knn_top1"] is None else f"{r['knn_top1']:.2f}"
-        lines.append(f"| {NAMES[m]} | {r['linear_top1']:.2f} / {r['linear_best_top1']:.2f} | {knn} | "
-                     f"{r['paper_linear_top1']:.2f} | {r['pretrain_s'] / 60:.1f} min | {r['linear_s'] / 60:.1f} min |")
+        paper = "-" if r["paper_linear_top1"] is None else f"{r['paper_linear_top1']:.2f}"
+        lines.append(f"| {PAPER[m][0]} | {r['linear_top1']:.2f} / {r['linear_best_top1']:.2f} | {knn} | {paper} | "
+                     f"{r['pretrain_s'] / 60:.1f} min | {r['linear_s'] / 60:.1f} min |")
     lines += ["", "Where each stage's time went (seconds; the stage's own processes, every invocation):", "",
               "| stage | wall | " + " | ".join(p.replace("_", " ") for p in PARTS) + " |",
               "|---|---|" + "---|" * len(PARTS)]
     for m, r in rows.items():
         for stage, split in r["split"].items():
             if split:
-                lines.append(f"| {NAMES[m]} {stage} | {split['wall']:.1f} | "
+                lines.append(f"| {PAPER[m][0]} {stage} | {split['wall']:.1f} | "
                              + " | ".join(f"{split[p]:.1f}" for p in PARTS) + " |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -327,9 +328,23 @@ def table(dataset, out, methods):
     print("\n" + text + f"\n(results.json and results.md in {out})", flush=True)
 
 
+def methods(given=None):
+    """The methods reproduce.sh runs, printed: those of the string METHODS `given` (unset: all of PAPER's, in its
+    order); one line naming the known ones when one is unknown."""
+    chosen = list(PAPER) if given is None else given.split()
+    if not chosen:
+        raise UserError(f"METHODS is empty: use some of {' '.join(PAPER)} (or leave it unset: all)")
+    for m in chosen:
+        if m not in PAPER:
+            raise UserError(f"unknown method '{m}' in METHODS: use {', '.join(list(PAPER)[:-1])} or {list(PAPER)[-1]}")
+    print(" ".join(chosen))
+
+
 def main(argv):
     command, rest = argv[0], argv[1:]
-    if command == "recipe":
+    if command == "methods":
+        methods(*rest)
+    elif command == "recipe":
         recipe(*rest)
     elif command == "check":
         check(*rest)

@@ -44,11 +44,11 @@ class Recipe:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A --dataset. reader: its format, a branch of sce.data.files.build_dataset (folder: DATA/train and DATA/val
-    class folders; tiny-imagenet: those with val/'s annotations; cifar: python batches; stl10: binaries). native_size:
-    the size the paper pretrains and evaluates it at (None: an evaluation's 224). class_list: the classes kept of
-    its folders (a file in sce/data/; --class-list replaces it). image_folders: reproduce.sh also takes train/ and
-    val/ class folders of image files for it."""
+    """A --dataset. reader: its format, a branch of sce.data.files.build_dataset: folders (DATA/train and DATA/val
+    class folders), annotated-val (DATA/train's class folders, val/images listed in val/val_annotations.txt, as
+    Tiny-ImageNet), cifar-batches, stl10-binaries. native_size: the size the paper pretrains and evaluates it at
+    (None: an evaluation's 224). class_list: the classes kept of its folders (a file in sce/data/; --class-list
+    replaces it). image_folders: reproduce.sh also takes train/ and val/ class folders of image files for it."""
     reader: str
     download: Download = None
     native_size: int = None
@@ -62,24 +62,26 @@ class Dataset:
         return self.download is None or self.download.files is None
 
 
+# the recipes: queue and EMA momentum of the supp.'s small (CIFAR) and medium datasets, Table 10's best temperatures
 DATASETS = {
-    "imagefolder": Dataset("folder"),
-    "imagenet100": Dataset("folder", class_list="imagenet100.txt"),
-    "cifar10": Dataset("cifar", Download("cifar-10-batches-py", "CIFAR-10's python batches", ("data_batch_1",),
-                                         Files(tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",),
-                                               ("batches.meta",), "CIFAR10")),
-                       native_size=32, recipe=Recipe(0.99, 4096, tau=0.2, tau_m=0.1), image_folders=True),
-    "cifar100": Dataset("cifar", Download("cifar-100-python", "CIFAR-100's python batches",
-                                          files=Files(("train",), ("test",), ("meta",), "CIFAR100")),
-                        native_size=32, recipe=Recipe(0.99, 4096, tau=0.1, tau_m=0.08), image_folders=True),
-    "stl10": Dataset("stl10", Download("stl10_binary", "STL-10's binaries", ("train_X.bin",),
-                                       Files(("train_X.bin", "train_y.bin", "unlabeled_X.bin"),
-                                             ("test_X.bin", "test_y.bin"), (), "STL10")),
-                     native_size=96, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.04)),
-    "tiny-imagenet": Dataset("tiny-imagenet", Download("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/"
-                                                       "images, val/images and val/val_annotations.txt)",
-                                                       ("wnids.txt",)),
-                             native_size=64, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.07))}
+    "imagefolder": Dataset("folders"),
+    "imagenet100": Dataset("folders", class_list="imagenet100.txt"),
+    "cifar10": Dataset(
+        "cifar-batches", Download("cifar-10-batches-py", "CIFAR-10's python batches", ("data_batch_1",), Files(
+            tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), ("batches.meta",), "CIFAR10")),
+        native_size=32, recipe=Recipe(0.99, 4096, tau=0.2, tau_m=0.1), image_folders=True),
+    "cifar100": Dataset(
+        "cifar-batches", Download("cifar-100-python", "CIFAR-100's python batches",
+                                  files=Files(("train",), ("test",), ("meta",), "CIFAR100")),
+        native_size=32, recipe=Recipe(0.99, 4096, tau=0.1, tau_m=0.08), image_folders=True),
+    "stl10": Dataset(
+        "stl10-binaries", Download("stl10_binary", "STL-10's binaries", ("train_X.bin",), Files(
+            ("train_X.bin", "train_y.bin", "unlabeled_X.bin"), ("test_X.bin", "test_y.bin"), (), "STL10")),
+        native_size=96, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.04)),
+    "tiny-imagenet": Dataset(
+        "annotated-val", Download("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/images, val/images "
+                                  "and val/val_annotations.txt)", ("wnids.txt",)),
+        native_size=64, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.07))}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 STL_IMAGE = 3 * 96 * 96
 CIFAR_IMAGE = 3 * 32 * 32
@@ -204,7 +206,7 @@ def official_folder(dataset, root):
     if missing:
         raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
                         f"in {base}/ under --data")
-    damaged = short_binary(folder, names) if row.reader == "stl10" else damaged_batch(folder, names)
+    damaged = short_binary(folder, names) if row.reader == "stl10-binaries" else damaged_batch(folder, names)
     if damaged:
         raise UserError(f"{damaged}: download {what} again")
     return root, folder
@@ -213,7 +215,7 @@ def official_folder(dataset, root):
 def official_sizes(dataset, folder):
     """{split: images} of checked official files (official_folder): train, val (the test set), and STL-10's
     unlabeled."""
-    if DATASETS[dataset].reader == "stl10":
+    if DATASETS[dataset].reader == "stl10-binaries":
         return {"train": os.path.getsize(os.path.join(folder, "train_y.bin")),
                 "val": os.path.getsize(os.path.join(folder, "test_y.bin")),
                 "unlabeled": os.path.getsize(os.path.join(folder, "unlabeled_X.bin")) // STL_IMAGE}

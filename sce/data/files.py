@@ -160,12 +160,12 @@ def build_dataset(name, root, split="train", transform=None, class_list=None, re
     if name not in DATASETS:
         raise UserError(f"unknown dataset '{name}': use one of {', '.join(DATASETS)}")
     row, train = DATASETS[name], split in ("pretrain", "train")
-    if row.reader == "cifar":
+    if row.reader == "cifar-batches":
         return _official(CIFARFiles, name, root, name=name, train=train, transform=transform)
-    if row.reader == "stl10":  # torchvision's STL10 reads train+unlabeled with the train images first
+    if row.reader == "stl10-binaries":  # torchvision's STL10 reads train+unlabeled with the train images first
         part = "train+unlabeled" if split == "pretrain" else "train" if train else "test"
         return _official(STL10Files, name, root, split=part, transform=transform)
-    if row.reader == "tiny-imagenet" and not train:
+    if row.reader == "annotated-val" and not train:
         return TinyImageNetVal(os.path.join(root, "val"), class_folders(os.path.join(root, "train")), transform)
     # the classes of the row's list, or of --class-list; none kept where the row has no list
     keep = (class_list or os.path.join(os.path.dirname(__file__), row.class_list)) if row.class_list else None
