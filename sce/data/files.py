@@ -82,11 +82,11 @@ def _no_md5(files):
 
 
 class CIFARFiles(Dataset):
-    """CIFAR-10's or CIFAR-100's python batches as torchvision's CIFAR10 / CIFAR100 hold them (`data` (N, 32, 32, 3)
-    uint8, `targets`, `classes`; an item is a PIL image and its label), but unpickled by sce.layouts.read_batch:
-    torchvision's plain pickle.load would run the code a crafted batch carries."""
+    """CIFAR-10's or CIFAR-100's python batches (the Files of `name`'s row) as torchvision's CIFAR10 / CIFAR100 hold
+    them (`data` (N, 32, 32, 3) uint8, `targets`, `classes`; an item is a PIL image and its label), but unpickled by
+    sce.layouts.read_batch: torchvision's plain pickle.load would run the code a crafted batch carries."""
 
-    def __init__(self, root, train, transform=None, name="cifar10"):
+    def __init__(self, root, name, train, transform=None):
         download = DATASETS[name].download
         folder, files = os.path.join(root, download.folder), download.files
         entries = [read_batch(os.path.join(folder, n)) for n in (files.train if train else files.test)]
