@@ -37,7 +37,7 @@ def fail(message):
 def install_helps(authors_dir):
     """Their package importable from AUTHORS_DIR, with the missing module and np.Inf in place."""
     if not os.path.isfile(os.path.join(authors_dir, "run", "pretrain.py")) or not os.path.isfile(
-            os.path.join(authors_dir, "sce", "configs", "run", "pretrain", "sce", "resnet18", "resnet18_cifar10.yaml")):
+            os.path.join(authors_dir, "sce/configs/run/pretrain/sce/resnet18/resnet18_cifar10.yaml")):
         fail(f"{authors_dir} is not a checkout of CEA-LIST/SCE (no run/pretrain.py and resnet18_cifar10.yaml): "
              "pass the folder their repository was cloned into")
     sys.path.insert(0, authors_dir)

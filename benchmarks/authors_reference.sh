@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The authors' SCE code (CEA-LIST/SCE, their CIFAR-10 configuration resnet18_cifar10.yaml, unedited, from a checkout
 # named here) and ours (RECIPES.md's CIFAR-10 line) pretrained on the same ImageFolder for the same epochs, each
-# trunk then read by our kNN (main_lincls.py --knn: k 200, T 0.07); both figures side by side with their wall times,
+# trunk then read by our kNN (k 200, T 0.07: main_lincls.py --knn on theirs, the kNN monitor after the last epoch on
+# ours, which reads main_lincls.py --knn's number); both figures side by side with their wall times,
 # a table and one JSON line each (also in OUT_DIR/results.json). If theirs reads what ours does, a gap to the paper
 # is the data's; if theirs reads higher, it is ours.
 #
@@ -13,8 +14,9 @@
 #   PYTHON=/path/python             ours (default: .venv/bin/python of this repository if there is one, else python3)
 #   ORDER="ours authors"            which runs, in this order (default: both, ours first)
 #   SEED=42                         both runs' seed (their config's)
-#   LIMIT_S=N                       stop N s after the start: their run at the end of the last epoch that fits, ours
-#                                   at the limit (it saves); the same command later continues both
+#   LIMIT_S=N                       stop N s after the start: ours at the limit (it saves), their training at the end
+#                                   of the last epoch that ends 60 s before it (their trunk and kNN after it), no
+#                                   stage started past it; the same command later continues both
 #   AUTHORS_OVERRIDES="..."         more Hydra overrides for their run (e.g. ~trainer.strategy)
 #   SMOKE=1                         a check on CPU: 10 classes of 32 train and 16 val images from DATA_DIR, batch 32
 #   DRY_RUN=1                       check the arguments, print each stage's command, run none
@@ -69,6 +71,9 @@ ORDER=${ORDER:-ours authors}
 for run in $ORDER; do
     case $run in ours|authors) ;; *) echo "error: unknown run '$run' in ORDER: use ours and/or authors" >&2; exit 2 ;; esac
 done
+if [ -n "${AUTHORS_WHEELS:-}" ] && ! ls "$AUTHORS_WHEELS"/*.whl > /dev/null 2>&1; then
+    echo "error: AUTHORS_WHEELS=$AUTHORS_WHEELS holds no .whl files: pass the bundle's wheels folder" >&2; exit 2
+fi
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -108,8 +113,11 @@ ours=("$PYTHON" main_pretrain.py "${recipe[@]}" --dataset imagefolder --data "$D
 authors=("$PYTHON_AUTHORS" benchmarks/authors_reference.py pretrain "$AUTHORS" "$DATA" "$OUT/authors"
          "trainer.max_epochs=$EPOCHS" "callbacks.model_checkpoint.every_n_epochs=$EPOCHS"
          callbacks.model_checkpoint.save_last=True "seed.seed=$SEED")
+# one device: Lightning's single-device strategy, not their config's DDP (over one process it computes the same:
+# their gathers check for a process group, their split BN simulates 8 devices either way)
+authors+=("~trainer.strategy")
 if [ "$DEVICE" = cpu ]; then
-    authors+=(trainer.gpus=0 model.num_devices=1 trainer.precision=32 "~trainer.strategy")
+    authors+=(trainer.gpus=0 model.num_devices=1 trainer.precision=32)
 else
     ours+=(--amp bf16 --channels-last)
 fi
@@ -123,20 +131,21 @@ else
 fi
 # shellcheck disable=SC2206
 authors+=(${AUTHORS_OVERRIDES:-})
-knn() {  # KNN=(main_lincls.py --knn on trunk $1 into folder $2): our protocol, k 200, T 0.07, at 32 px
-    KNN=("$PYTHON" main_lincls.py --knn --dataset imagefolder --data "$DATA" --arch resnet18 --small-input
-         --crop-size 32 --pretrained "$1" --seed "$SEED" --output-dir "$2")
-    [ "${SMOKE:-0}" = 1 ] && KNN+=(--workers 1)
-    return 0
-}
+# their trunk read by our kNN (k 200, T 0.07, at 32 px), as our monitor reads ours after the last epoch
+knn=("$PYTHON" main_lincls.py --knn --dataset imagefolder --data "$DATA" --arch resnet18 --small-input --crop-size 32
+     --pretrained "$OUT/authors/trunk.pth" --seed "$SEED" --output-dir "$OUT/authors/knn")
+[ "${SMOKE:-0}" = 1 ] && knn+=(--workers 1)
 site=()
-if [ -n "${AUTHORS_WHEELS:-}" ]; then
-    ls "$AUTHORS_WHEELS"/*.whl > /dev/null 2>&1 || {
-        echo "error: AUTHORS_WHEELS=$AUTHORS_WHEELS holds no .whl files: pass the bundle's wheels folder" >&2; exit 2; }
-    site=(env "PYTHONPATH=$OUT/authors_site${PYTHONPATH:+:$PYTHONPATH}")
+[ -n "${AUTHORS_WHEELS:-}" ] && site=(env "PYTHONPATH=$OUT/authors_site${PYTHONPATH:+:$PYTHONPATH}")
+# the deadline: ours is sent SIGTERM at it; their training stops at the end of the last epoch that ends 60 s
+# before it, which leaves their trunk and its kNN the time they take on a GPU
+DEADLINE=
+if (( ${LIMIT_S:-0} > 0 )); then
+    DEADLINE=$(( $(date +%s) + LIMIT_S - (SECONDS - START) ))
+    export AUTHORS_DEADLINE=$(( DEADLINE - 60 ))
+else
+    unset AUTHORS_DEADLINE
 fi
-# the deadline: their run stops at the end of the last epoch that fits before it, ours is sent SIGTERM at it
-(( ${LIMIT_S:-0} > 0 )) && export AUTHORS_DEADLINE=$(( $(date +%s) + LIMIT_S - (SECONDS - START) ))
 
 # stage NAME CMD...: CMD's output to OUT/NAME.log (shown here too), its wall time (ms) added to OUT/times; at
 # the deadline (+ GRACE s), SIGTERM (ours saves and stops; theirs, which should have stopped at an epoch's end
@@ -147,8 +156,8 @@ stage() {
     echo "=== $name: $*"
     [ "${DRY_RUN:-0}" = 1 ] && return
     start=$(date +%s%N)
-    if [ -n "${AUTHORS_DEADLINE:-}" ]; then
-        local left=$(( AUTHORS_DEADLINE - $(date +%s) ))
+    if [ -n "$DEADLINE" ]; then
+        local left=$(( DEADLINE - $(date +%s) ))
         (( left > 0 )) || { echo "=> the limit of $LIMIT_S s is spent: run the same command again to go on" >&2; exit 75; }
         timeout -s TERM -k 30 "$(( left + ${GRACE:-0} ))" "$@" > >(tee -a "$OUT/$name.log") 2>&1 && code=0 || code=$?
     else
@@ -166,8 +175,6 @@ for run in $ORDER; do
     if [ "$run" = ours ]; then
         [ "$(grep -so '"epoch": [0-9]*' "$OUT/ours/log.txt" | tail -1)" = "\"epoch\": $EPOCHS" ] ||
             stage ours_pretrain "${ours[@]}"
-        knn "$OUT/ours/checkpoint_last.pth" "$OUT/ours/knn"
-        [ -f "$OUT/ours/knn/results_knn.json" ] || stage ours_knn "${KNN[@]}"
     else
         if [ -n "${AUTHORS_WHEELS:-}" ] && [ ! -f "$OUT/authors_site/.installed" ] && [ "${DRY_RUN:-0}" != 1 ]; then
             "$PYTHON_AUTHORS" -m pip install -q --no-index --no-deps --no-compile --upgrade --target \
@@ -180,8 +187,7 @@ for run in $ORDER; do
         fi
         [ -f "$OUT/authors/trunk.pth" ] || stage authors_trunk ${site[@]+"${site[@]}"} "$PYTHON_AUTHORS" \
             benchmarks/authors_reference.py trunk "$last" "$OUT/authors/trunk.pth"
-        knn "$OUT/authors/trunk.pth" "$OUT/authors/knn"
-        [ -f "$OUT/authors/knn/results_knn.json" ] || stage authors_knn "${KNN[@]}"
+        [ -f "$OUT/authors/knn/results_knn.json" ] || stage authors_knn "${knn[@]}"
     fi
 done
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
@@ -194,8 +200,11 @@ for line in open(os.path.join(out, "times")).read().splitlines():
     times[name] = times.get(name, 0) + int(ms) / 1000
 rows = []
 for run in runs:
-    knn = json.load(open(os.path.join(out, run, "knn", "results_knn.json")))
-    rows.append(dict(code=run, epochs=epochs, knn_top1=round(knn["acc1"], 2), device=device,
+    if run == "ours":  # the kNN monitor after the last epoch: main_lincls.py --knn's number on the same trunk
+        knn = json.loads(open(os.path.join(out, "ours", "log.txt")).read().splitlines()[-1])["knn_top1"]
+    else:
+        knn = json.load(open(os.path.join(out, "authors", "knn", "results_knn.json")))["acc1"]
+    rows.append(dict(code=run, epochs=epochs, knn_top1=round(knn, 2), device=device,
                      pretrain_s=round(times.get(f"{run}_pretrain", 0), 1),
                      wall_s=round(sum(s for n, s in times.items() if n.startswith(run)), 1)))
 print(f"\n| code | epochs | kNN top-1 (k 200, T 0.07) | pretrain wall | all stages | device |\n|---|---|---|---|---|---|")

@@ -56,9 +56,9 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 def test_dry_run_commands(tmp_path):
-    """Ours: RECIPES.md's CIFAR-10 line with the data, epochs, seed and folder replaced, the kNN after the last
-    epoch; theirs: their config with the epochs, the checkpoints and the seed; both trunks read by main_lincls.py
-    --knn at k 200, T 0.07, 32 px."""
+    """Ours: RECIPES.md's CIFAR-10 line with the data, epochs, seed and folder replaced, the kNN monitor after the
+    last epoch; theirs: their config with the epochs, the checkpoints and the seed, its trunk read by main_lincls.py
+    --knn; both kNN at k 200, T 0.07, 32 px."""
     authors = fake_checkout(tmp_path / "SCE")
     data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=1)
     proc = run(authors, data, 3, tmp_path / "out", DRY_RUN="1")
@@ -67,7 +67,7 @@ def test_dry_run_commands(tmp_path):
     for line in proc.stdout.splitlines():
         name, cmd = line.removeprefix("=== ").split(": ", 1)
         found[name] = shlex.split(cmd)
-    assert list(found) == ["ours_pretrain", "ours_knn", "authors_pretrain", "authors_trunk", "authors_knn"]
+    assert list(found) == ["ours_pretrain", "authors_pretrain", "authors_trunk", "authors_knn"]
     ours = main_pretrain.parse_args(found["ours_pretrain"][2:])
     recipe = main_pretrain.parse_args(next(c for c in COMMANDS if "--dataset cifar10" in " ".join(c)))
     for key, value in vars(recipe).items():
@@ -83,10 +83,10 @@ def test_dry_run_commands(tmp_path):
         assert override in theirs
     assert found["authors_trunk"][-2:] == [f"{tmp_path}/out/authors/pretrain_checkpoints/epoch=2.ckpt",
                                            f"{tmp_path}/out/authors/trunk.pth"]
-    for name, trunk in (("ours_knn", "ours/checkpoint_last.pth"), ("authors_knn", "authors/trunk.pth")):
-        args = main_lincls.get_parser().parse_args(found[name][2:])
-        assert (args.knn, args.knn_k, args.knn_t, args.crop_size, args.pretrained) == (
-            True, 200, 0.07, 32, f"{tmp_path}/out/{trunk}")
+    args = main_lincls.get_parser().parse_args(found["authors_knn"][2:])
+    assert (args.knn, args.knn_k, args.knn_t, args.crop_size, args.pretrained) == (
+        True, 200, 0.07, 32, f"{tmp_path}/out/authors/trunk.pth")
+    assert (ours.knn_k, ours.knn_t) == (200, 0.07)
     assert not os.path.exists(tmp_path / "out" / "ours")  # nothing ran
 
 
