@@ -51,7 +51,8 @@ def test_recipes_cover_the_paper():
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[-60:] for c in COMMANDS])
-def test_recipe_parses(argv):
+def test_recipe_parses(argv, monkeypatch):
+    monkeypatch.setattr(main_pretrain.cli.du, "device_memory", lambda device: 80 * 2 ** 30)  # each fits an H100
     args = main_pretrain.parse_args(argv)
     one_gpu = "--small-input" in argv  # the small datasets' runs; the others on 8 GPUs or more
     main_pretrain.check_args(args, 1 if one_gpu else 8, torch.device("cuda"))  # the script's own checks
