@@ -79,8 +79,10 @@ def test_dry_run_commands(tmp_path):
     theirs = found["authors_pretrain"]
     assert theirs[1:5] == ["benchmarks/authors_reference.py", "pretrain", authors, data]
     for override in ("trainer.max_epochs=3", "callbacks.model_checkpoint.every_n_epochs=3", "seed.seed=42",
-                     "trainer.precision=32"):  # fp32 on a CPU
+                     "~trainer.strategy"):
         assert override in theirs
+    cpu = not torch.cuda.is_available()  # fp32 there, else their fp16 and our bf16
+    assert ("trainer.precision=32" in theirs) == cpu and (ours.amp == "none") == cpu
     assert found["authors_trunk"][-2:] == [f"{tmp_path}/out/authors/pretrain_checkpoints/epoch=2.ckpt",
                                            f"{tmp_path}/out/authors/trunk.pth"]
     args = main_lincls.get_parser().parse_args(found["authors_knn"][2:])
