@@ -17,7 +17,7 @@
 #   LIMIT_S=N                       stop N s after the start: ours at the limit (it saves), their training at the end
 #                                   of the last epoch that ends 60 s before it (their trunk and kNN after it), no
 #                                   stage started past it; the same command later continues both
-#   AUTHORS_OVERRIDES="..."         more Hydra overrides for their run (e.g. ~trainer.strategy)
+#   AUTHORS_OVERRIDES="..."         more Hydra overrides for their run (e.g. datamodule.train.loader.num_workers=8)
 #   SMOKE=1                         a check on CPU: 10 classes of 32 train and 16 val images from DATA_DIR, batch 32
 #   DRY_RUN=1                       check the arguments, print each stage's command, run none
 # On a GPU: theirs in fp16 AMP as their config says, ours with --amp bf16 --channels-last (RECIPES.md); on a CPU both
@@ -26,13 +26,15 @@
 #
 #   bash benchmarks/authors_reference.sh bundle AUTHORS_DIR [BUNDLE_DIR]   (BUNDLE_DIR: .authors, git-ignored)
 # writes what a GPU machine without a package registry needs: their tree (BUNDLE_DIR/SCE, its HEAD where AUTHORS_DIR
-# is a git repository, bare or not) and the pins as wheels (BUNDLE_DIR/wheels, 3.4 MB): run it there with AUTHORS_WHEELS=BUNDLE_DIR/wheels.
+# is a git repository, bare or not) and the pins as wheels (BUNDLE_DIR/wheels, 3.4 MB): run there with
+# AUTHORS_WHEELS=BUNDLE_DIR/wheels.
 set -euo pipefail
 PINS="pytorch-lightning==1.7.7 torchmetrics==0.10.3 setuptools==80.9.0 hydra-core==1.3.2 omegaconf==2.3.1
       antlr4-python3-runtime==4.9.3 kornia==0.6.12 pyDeprecate==0.3.2"
 if [ "${1:-}" = bundle ]; then
-    [ -f "${2:-}/run/pretrain.py" ] || git -C "${2:-.}" cat-file -e HEAD:run/pretrain.py 2>/dev/null || { echo "error: '${2:-}' is not a checkout of CEA-LIST/SCE (no run/pretrain.py):" \
-        "pass the folder their repository was cloned into" >&2; exit 2; }
+    [ -f "${2:-}/run/pretrain.py" ] || git -C "${2:-.}" cat-file -e HEAD:run/pretrain.py 2>/dev/null || {
+        echo "error: '${2:-}' is not a checkout of CEA-LIST/SCE (no run/pretrain.py): pass the folder their" \
+            "repository was cloned into" >&2; exit 2; }
     BUNDLE=$(realpath -m "${3:-$(dirname "$0")/../.authors}")
     rm -rf "$BUNDLE/SCE" "$BUNDLE/wheels" && mkdir -p "$BUNDLE/SCE" "$BUNDLE/wheels"
     if git -C "$2" rev-parse HEAD > /dev/null 2>&1; then
@@ -48,7 +50,7 @@ if [ "${1:-}" = bundle ]; then
     du -sh "$BUNDLE"/SCE "$BUNDLE"/wheels
     exit 0
 fi
-usage="usage: bash benchmarks/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR] | bundle AUTHORS_DIR [BUNDLE_DIR]"
+usage="usage: bash benchmarks/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR] (or bundle AUTHORS_DIR)"
 [ $# -ge 3 ] && [ $# -le 4 ] || { echo "$usage" >&2; exit 2; }
 AUTHORS=$(realpath -m "$1")
 DATA=$(realpath -m "$2")
@@ -69,7 +71,8 @@ EPOCHS=$(( 10#$EPOCHS ))
 [[ ${LIMIT_S:-0} =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got '$LIMIT_S')" >&2; exit 2; }
 ORDER=${ORDER:-ours authors}
 for run in $ORDER; do
-    case $run in ours|authors) ;; *) echo "error: unknown run '$run' in ORDER: use ours and/or authors" >&2; exit 2 ;; esac
+    [[ $run == ours || $run == authors ]] || {
+        echo "error: unknown run '$run' in ORDER: use ours and/or authors" >&2; exit 2; }
 done
 if [ -n "${AUTHORS_WHEELS:-}" ] && ! ls "$AUTHORS_WHEELS"/*.whl > /dev/null 2>&1; then
     echo "error: AUTHORS_WHEELS=$AUTHORS_WHEELS holds no .whl files: pass the bundle's wheels folder" >&2; exit 2
@@ -158,7 +161,8 @@ stage() {
     start=$(date +%s%N)
     if [ -n "$DEADLINE" ]; then
         local left=$(( DEADLINE - $(date +%s) ))
-        (( left > 0 )) || { echo "=> the limit of $LIMIT_S s is spent: run the same command again to go on" >&2; exit 75; }
+        (( left > 0 )) || {
+            echo "=> the limit of $LIMIT_S s is spent: run the same command again to go on" >&2; exit 75; }
         timeout -s TERM -k 30 "$(( left + ${GRACE:-0} ))" "$@" > >(tee -a "$OUT/$name.log") 2>&1 && code=0 || code=$?
     else
         "$@" > >(tee -a "$OUT/$name.log") 2>&1 && code=0 || code=$?
@@ -207,9 +211,11 @@ for run in runs:
     rows.append(dict(code=run, epochs=epochs, knn_top1=round(knn, 2), device=device,
                      pretrain_s=round(times.get(f"{run}_pretrain", 0), 1),
                      wall_s=round(sum(s for n, s in times.items() if n.startswith(run)), 1)))
-print(f"\n| code | epochs | kNN top-1 (k 200, T 0.07) | pretrain wall | all stages | device |\n|---|---|---|---|---|---|")
+print("\n| code | epochs | kNN top-1 (k 200, T 0.07) | pretrain wall | all stages | device |")
+print("|---|---|---|---|---|---|")
 for r in rows:
-    print(f"| {r['code']} | {r['epochs']} | {r['knn_top1']:.2f} | {r['pretrain_s']:.0f} s | {r['wall_s']:.0f} s | {device} |")
+    print(f"| {r['code']} | {epochs} | {r['knn_top1']:.2f} | {r['pretrain_s']:.0f} s | {r['wall_s']:.0f} s | "
+          f"{device} |")
 for r in rows:
     print(json.dumps(r))
 json.dump(rows, open(os.path.join(out, "results.json"), "w"), indent=1)
