@@ -135,7 +135,7 @@ def evaluate(args, source, device):
     compiles = Log()
     timing.mark("imports")  # the interpreter, the imports, the flags, the process group
     frozen = load_frozen(source, args.arch, args.small_input, "online" if args.resume else args.encoder, device,
-                         args.compile, compiles)
+                         compile=args.compile, compiles=compiles)
     args.arch, args.small_input = frozen.arch, frozen.small_input
     timing.mark("trunk")
     named = frozen.trunk  # the trunk --pretrained names, which a resumed probe must hold
@@ -172,8 +172,9 @@ def evaluate(args, source, device):
 
 def splits(args, device, augment_train):
     """(train, val, number of classes), sce.data.EvalSplits as the evaluations read them."""
-    return data.eval_splits(args.dataset, args.data, args.crop_size, args.small_input, device, args.preload,
-                            args.decode, args.workers, augment_train, seed=args.seed, budget=data.Budget(device))
+    return data.eval_splits(args.dataset, args.data, args.crop_size, args.small_input, device, preload_mode=args.preload,
+                            decode=args.decode, workers=args.workers, augment_train=augment_train, seed=args.seed,
+                            budget=data.Budget(device))
 
 
 def write_results(args, results, name=None):
@@ -210,9 +211,10 @@ def linear(args, frozen, source, device, split):
         return
     start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device, train_data)
     tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
-    run = Run(args, probe, model, train.batches(probe.per_rank, sampler), val.batches(probe.per_rank), device,
-              Preemption(world, args.dist_timeout), tensorboard, Writer(), split,
-              Step(probe, model, sums, graphs_for(args, device, world)))
+    run = Run(args=args, probe=probe, model=model, train=train.batches(probe.per_rank, sampler),
+              val=val.batches(probe.per_rank), device=device, preemption=Preemption(world, args.dist_timeout),
+              tensorboard=tensorboard, checkpoints=Writer(), split=split,
+              step=Step(probe, model, sums, graphs_for(args, device, world)))
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * probe.per_rank) * world)
     split.loop()
@@ -366,7 +368,8 @@ def run_logreg(args, frozen, source, device):
         print(f"picking C on {len(val_x)} validation images ({len(transfer.LOGREG_WDS)} wd values)", flush=True)
         best_c, history = transfer.select_logreg(sel_x, sel_y, val_x, val_y, metric,
                                                  max_iter=args.logreg_max_iter, count=count)
-    score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, best_c, args.logreg_max_iter, count)
+    score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, C=best_c, max_iter=args.logreg_max_iter,
+                                     count=count)
     print(f"logistic regression (C {best_c:.4g}, refit on {len(fit_x)} images): test {metric} {score:.2f} "
           f"({count.note(args.logreg_max_iter, '--logreg-max-iter')})", flush=True)
     write_results(args, {"metric": metric, "test": score, "C": best_c,

@@ -146,8 +146,8 @@ def lowshot(args):
             x, y = train_x[idx], trainval_y[idx]
             fits = transfer.FitCount()
             if args.cost_selection == "test":
-                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, args.jobs, args.difficult, fits)[0]
-                            for c in args.costs}
+                test = dict(jobs=args.jobs, difficult=args.difficult, count=fits)
+                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, **test)[0] for c in args.costs}
                 per_run.append({"images": len(idx), "test_map": per_cost})
             else:
                 splits = transfer.cv_splits(y, idx, args.cv_folds, args.seed, args.difficult)
@@ -156,7 +156,8 @@ def lowshot(args):
                     print(f"K {k} draw {r + 1}/{runs}: {drops}", flush=True)
                 cv = {c: transfer.svm_cv_map(x, splits, c, args.jobs, fits) for c in args.costs}
                 cost = max(cv, key=cv.get)  # first best on ties
-                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, args.jobs, args.difficult, fits)[0]
+                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, jobs=args.jobs, difficult=args.difficult,
+                                                 count=fits)[0]
                 per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap, "cv_drops": drops})
             per_run[-1].update(fits=len(fits.stalled), unconverged_fits=sum(fits.stalled))
             all_fits.stalled += fits.stalled

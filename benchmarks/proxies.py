@@ -255,7 +255,7 @@ def main(argv=None):
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "compile_cache", "triton"))
     runner, rows = Runner(args.time_limit, start), []
     for name in args.variants:
-        rows.append(variant_row(name, runner, rows, commands, root, out, epochs, env))
+        rows.append(variant_row(name, runner, rows, commands, root, out, epochs=epochs, env=env))
     table(rows, out)
     left = [r["variant"] for r in rows if r["status"] in ("not run", "stopped")]
     if left:

@@ -303,7 +303,8 @@ def main():
     amp = args.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
 
-    start_epoch, it, epoch_iter = resume(args, last, model, optimizer, scaler, world, log) if args.resume else (0, 0, 0)
+    start_epoch, it, epoch_iter = (resume(args, last, model, optimizer, scaler, world=world, log=log) if args.resume
+                                   else (0, 0, 0))
 
     sampler = EpochSampler(len(train_set), args.seed, du.rank(), world)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
@@ -321,7 +322,8 @@ def main():
     while not args.eval_only and it < total and epoch < args.epochs:
         sampler.epoch, sampler.skip = epoch, epoch_iter * args.batch_size  # resumed: the batches done are skipped
         model.train()
-        done = train_one_epoch(ddp, loader, optimizer, scaler, amp, device, epoch, it, total, args, log)
+        done = train_one_epoch(ddp, loader, optimizer, scaler, amp, device, epoch=epoch, it=it, total=total, args=args,
+                               log=log)
         it, epoch_iter = it + done, epoch_iter + done
         if epoch_iter == per_epoch:  # else --max-iters stopped within the epoch: a resume goes on in it
             epoch, epoch_iter = epoch + 1, 0

@@ -69,7 +69,8 @@ class SplitBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"a batch of {n} does not split into {s} equal chunks")
         mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
         weight, bias = (self.weight.repeat(s), self.bias.repeat(s)) if self.affine else (None, None)
-        out = F.batch_norm(chunks_as_channels(x, s), mean, var, weight, bias, True, self.momentum, self.eps)
+        out = F.batch_norm(chunks_as_channels(x, s), mean, var, weight, bias, training=True, momentum=self.momentum,
+                           eps=self.eps)
         with torch.no_grad():
             self.running_mean.copy_(mean.view(s, c).mean(0))
             self.running_var.copy_(var.view(s, c).mean(0))

@@ -179,7 +179,7 @@ def _svm_scores(x, labels, test_x, c, cost):
     return svm.decision_function(test_x), stalled
 
 
-def svm_test_map(x, labels, test_x, test_labels, cost, jobs=1, difficult="negative", count=None):
+def svm_test_map(x, labels, test_x, test_labels, cost, *, jobs=1, difficult="negative", count=None):
     """One LinearSVC per class trained on (x, labels); mAP (percent) and per-class AP on the test set.
     `difficult` (see voc_targets) applies to both the training and the test labels. `count` (a
     FitCount) gets a flag per SVM."""

@@ -131,8 +131,8 @@ class Samples(torch.utils.data.Dataset):
 
     def rows(self, epoch, index, height, width):
         g = self.geometry
-        return probe_crops(g.padding if g.random == "padded" else 0, g.size, self.seed, epoch, index, [height],
-                           [width])
+        return probe_crops(g.padding if g.random == "padded" else 0, g.size, self.seed, epoch, index, height=[height],
+                           width=[width])
 
     def pil(self, img, epoch, index):
         """The PIL image cut by the geometry."""
@@ -145,7 +145,8 @@ class Samples(torch.utils.data.Dataset):
             return F.center_crop(img, g.size)
         (top, left, h, w), flip = ops.box(self.rows(epoch, [index], img.height, img.width)[0])
         img = (F.crop(img, top, left, h, w) if g.random == "padded" else
-               F.resized_crop(img, top, left, h, w, [g.size, g.size], MODES[g.mode], antialias=True))
+               F.resized_crop(img, top, left, h, w, [g.size, g.size], interpolation=MODES[g.mode],
+                                antialias=True))
         return F.hflip(img) if flip else img
 
 
@@ -205,7 +206,7 @@ class PreloadedBatches:
             return epoch_order(self.sampler, epoch), []
         n, (height, width) = len(images), images.shape[-2:]
         return epoch_order(self.sampler, epoch), [probe_crops(g.padding, g.size, self.split.seed, epoch,
-                                                                np.arange(n), [height] * n, [width] * n)]
+                                                                np.arange(n), height=[height] * n, width=[width] * n)]
 
     def cut(self, index, rows):
         x = self.split.images.images[index]

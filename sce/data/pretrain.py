@@ -156,7 +156,7 @@ def finish_view(crops, rows, photometric, scale, shift, dtype, memory_format):
 def preloaded_view(images, rows, size, photometric, scale, shift, dtype, memory_format):
     """One view of a batch of preloaded uint8 images (N, 3, H, W) with its packed rows -> the normalised view."""
     crops = ops.resized_crops(images, rows, size)
-    return finish_view(crops, rows, photometric, scale, shift, dtype, memory_format)
+    return finish_view(crops, rows, photometric, scale, shift, dtype=dtype, memory_format=memory_format)
 
 
 class Views:
@@ -214,8 +214,8 @@ class PreloadRoute:
         """The rank's order of `epoch` and every image's rows of each view, on the host."""
         n, (height, width) = len(self.images), self.images.shape[-2:]
         everyone, heights, widths = torch.arange(n), torch.full((n,), height), torch.full((n,), width)
-        return epoch_order(self.sampler, epoch), [draw(spec, self.sampler.seed, epoch, everyone, v, heights, widths)
-                                                  for v, spec in enumerate(self.views.specs)]
+        return epoch_order(self.sampler, epoch), [draw(spec, self.sampler.seed, epoch, everyone, v, height=heights,
+                                                       width=widths) for v, spec in enumerate(self.views.specs)]
 
     def __iter__(self):
         self.epochs.set_epoch(self.sampler.epoch, self.sampler.start_step * (self.sampler.batch // self.sampler.world))
@@ -225,7 +225,8 @@ class PreloadRoute:
         """The views of images `indices` in `epoch` as this route makes them, eagerly (--preview-views)."""
         images = self.images[torch.as_tensor(indices, device=self.images.device)]
         height, width = images.shape[-2:]
-        rows = [draw(spec, self.sampler.seed, epoch, indices, v, [height] * len(indices), [width] * len(indices))
+        rows = [draw(spec, self.sampler.seed, epoch, indices, v, height=[height] * len(indices),
+                     width=[width] * len(indices))
                 .to(self.images.device) for v, spec in enumerate(self.views.specs)]
         return self.views.preloaded(images, rows, eager=True)
 

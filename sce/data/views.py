@@ -198,7 +198,8 @@ def pil_view(img, spec, row):
     (crop, antialiased bilinear resize, flip, then the photometric ops in torchvision's order) -> the
     normalised float tensor (3, size, size)."""
     (top, left, h, w), flip = box(row)
-    img = F.resized_crop(img, top, left, h, w, [spec.size, spec.size], F.InterpolationMode.BILINEAR, antialias=True)
+    img = F.resized_crop(img, top, left, h, w, [spec.size, spec.size], interpolation=F.InterpolationMode.BILINEAR,
+                         antialias=True)
     if flip:
         img = F.hflip(img)
     p = Photometric.of(row[None])
