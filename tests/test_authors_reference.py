@@ -79,7 +79,7 @@ def test_dry_run_commands(tmp_path):
     theirs = found["authors_pretrain"]
     assert theirs[1:5] == ["benchmarks/authors_reference.py", "pretrain", authors, data]
     for override in ("trainer.max_epochs=3", "callbacks.model_checkpoint.every_n_epochs=3", "seed.seed=42",
-                     "~trainer.strategy"):
+                     "~trainer.strategy", "+datamodule.train.transform._convert_=all"):
         assert override in theirs
     cpu = not torch.cuda.is_available()  # fp32 there, else their fp16 and our bf16
     assert ("trainer.precision=32" in theirs) == cpu and (ours.amp == "none") == cpu
