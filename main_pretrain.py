@@ -10,7 +10,6 @@ the command of every setting of the paper.
 import sce  # first: a stop signal during the imports below (torch's take seconds) is said, exit 75
 sce.stop_while_importing(__name__ == "__main__")
 import argparse
-import functools
 import os
 import random
 
@@ -36,6 +35,23 @@ DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_siz
             online_aug="strong-beta",
             output_dir=os.path.join("runs", "demo"), knn_every=0)
 
+
+def per_method(default):
+    """'sce 0.1, moco 0.2, ressl 0.1': default(record) of each method, for --help."""
+    return ", ".join(f"{name} {default(m)}" for name, m in losses.METHODS.items())
+
+
+def add_method_flags(parser):
+    """The flags of each method's record, in a group per method; returns {action: the methods that read it}."""
+    owners = {}
+    for name, m in losses.METHODS.items():
+        group = parser.add_argument_group(f"--method {name}") if m.flags else None
+        for flag, kwargs in m.flags:
+            action = next((a for a in owners if flag in a.option_strings), None) or group.add_argument(flag, **kwargs)
+            owners.setdefault(action, []).append(name)
+    return owners
+
+
 parser = cli.make_parser(__doc__)
 g = parser.add_argument_group("data")
 g.add_argument("--data", metavar="DIR", help="dataset root; omitted: run the embedded digits demo")
@@ -51,9 +67,9 @@ g.add_argument("--augment", choices=["cpu", "gpu"],
 g.add_argument("--crop-size", type=int, default=224, help="size of the global views in pixels")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(data.AUGMENTATIONS),
-               help="Table 2 row of online view 1 (default: the method's, strong)")
+               help=f"Table 2 row of online view 1 (default: the method's: {per_method(lambda m: m.views[0])})")
 g.add_argument("--target-aug", choices=list(data.AUGMENTATIONS),
-               help="Table 2 row of target view 0 (default: the method's: weak for sce / ressl, strong for moco)")
+               help=f"Table 2 row of target view 0 (default: the method's: {per_method(lambda m: m.views[1])})")
 g.add_argument("--local-aug", default="strong-gamma", choices=list(data.AUGMENTATIONS),
                help="Table 2 row of local crops")
 g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], metavar="PX",
@@ -83,28 +99,17 @@ g.add_argument("--split-bn", default="momentum", choices=["momentum", "all"],
                     "all, every BN layer of both branches and heads, as that many GPUs without --sync-bn would "
                     "(MoCo's CIFAR demo)")
 g = parser.add_argument_group("objective")
-g.add_argument("--method", default="sce", choices=list(losses.METHODS), help="sce, or the baselines moco (v2) / ressl")
-g.add_argument("--lambda", dest="lambda_", type=float, default=0.5, metavar="LAMBDA",
-               help="weight of the one-hot target, eq. 7")
-g.add_argument("--lambda-schedule", default="constant", choices=["constant", "linear", "cosine"],
-               help="lambda after its warmup: constant, or linear / cosine from --lambda to --lambda-end at the "
-                    "last step (a varying lambda is the paper's future work; the authors' later code has it)")
-g.add_argument("--lambda-end", type=float, metavar="LAMBDA", help="lambda at the last step (default: --lambda)")
-g.add_argument("--lambda-warmup-steps", type=int, default=0, metavar="STEPS",
-               help="steps of a linear rise of lambda from --lambda-warmup-start to --lambda")
-g.add_argument("--lambda-warmup-start", type=float, metavar="LAMBDA",
-               help="lambda at step 0 of its warmup (default: --lambda)")
-g.add_argument("--tau", type=float, help="online temperature (default: 0.1; moco 0.2)")
-g.add_argument("--tau-m", type=float, help="target temperature (default: 0.07; ressl 0.04)")
-g.add_argument("--mask-positive", action="store_true",
-               help="eq. 3 strictly: the positive gets target weight 0 (default: the published constant 0 logit)")
-g.add_argument("--loss-coeffs", type=float, nargs=3, metavar=("LAMBDA", "MU", "ETA"),
-               help="optimise eq. 10 with free coefficients (Table 3) instead of eq. 9")
+g.add_argument("--method", default="sce", choices=list(losses.METHODS),
+               help="; ".join(f"{name}: {m.about}" for name, m in losses.METHODS.items()))
+g.add_argument("--tau", type=float, help=f"online temperature (default: the method's: {per_method(lambda m: m.tau)})")
+g.add_argument("--tau-m", type=float,
+               help=f"target temperature (default: the method's: {per_method(lambda m: m.tau_m)})")
 g.add_argument("--queue-size", type=int, default=65536, help="memory buffer size M")
 g.add_argument("--symmetric", action="store_true", help="symmetrised loss: both global views serve as targets")
 g.add_argument("--ema-momentum", type=float, default=0.996, help="momentum-encoder EMA value at the first step, m0")
 g.add_argument("--ema-schedule", default="cosine", choices=["cosine", "constant"],
                help="EMA momentum from m0 to 1 along a cosine, or constant m0")
+METHOD_FLAGS = add_method_flags(parser)
 g = parser.add_argument_group("optimisation")
 g.add_argument("--epochs", type=int, default=200, help="length of the schedules, in epochs")
 g.add_argument("-b", "--batch-size", type=int, default=512, help="global batch over all ranks")
@@ -163,12 +168,12 @@ def parse_args(argv=None):
         args.knn_data = args.knn_data or args.data
     else:
         args.demo = False
-    loss, tau, tau_m, online_aug, target_aug = losses.METHODS[args.method]
-    args.loss = "combined" if args.loss_coeffs else loss
-    args.tau = tau if args.tau is None else args.tau
-    args.tau_m = (tau_m or 0.07) if args.tau_m is None else args.tau_m
-    args.online_aug = args.online_aug or online_aug
-    args.target_aug = args.target_aug or target_aug
+    method = losses.METHODS[args.method]
+    args.tau = method.tau if args.tau is None else args.tau
+    args.tau_m = method.tau_m if args.tau_m is None else args.tau_m
+    args.online_aug = args.online_aug or method.views[0]
+    args.target_aug = args.target_aug or method.views[1]
+    args.loss = losses.loss_name(args)
     return args
 
 
@@ -213,6 +218,10 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
     if losses.lambda_scheduled(args) and args.loss != "sce":
         raise UserError(f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without "
                         f"--loss-coeffs); this run uses {args.loss}")
+    for action, methods in METHOD_FLAGS.items():  # another method's flag would be silently ignored
+        if args.method not in methods and getattr(args, action.dest) != action.default:
+            raise UserError(f"{action.option_strings[0]} is a setting of --method {' / '.join(methods)}, not of "
+                            f"{args.method}: drop it or change --method")
     smallest = min([args.crop_size] + args.local_crop_sizes)
     if smallest < data.MIN_BLUR_SIZE:
         raise UserError(f"crops of {smallest} px are too small to blur (sigma 2 reflects {data.MIN_BLUR_SIZE - 1} "
@@ -340,8 +349,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
         grid = data.views_grid(batches.views_of(preview), data.view_labels(args))
         tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
     timing.mark("resume and TensorBoard")
-    terms = functools.partial(losses.loss_terms, tau=args.tau, tau_m=args.tau_m)
-    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=terms)
+    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args))
     step = build_step(training, device, args.cuda_graph, args.compile)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "

@@ -20,7 +20,6 @@ Without --data it writes ImageNet-like photos itself (crops of scikit-learn's tw
 500x375 JPEG, quality 98, ~100 KB). Prints one JSON line per measurement, then a table.
 """
 import argparse
-import functools
 import itertools
 import json
 import os
@@ -149,10 +148,12 @@ def build_training():
     main_pretrain.py runs each step (the schedules, train_step or its CUDA graph, the device-side sums)."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    flags = argparse.Namespace(**vars(args), loss="sce", method="sce", lambda_=0.5, tau=0.1, tau_m=0.07,
-                               mask_positive=False, pred_hidden_dims=[], lambda_schedule="constant", lambda_end=None,
-                               lambda_warmup_steps=0, lambda_warmup_start=None, warmup_epochs=5, ema_momentum=0.996,
-                               ema_schedule="cosine", epochs=200)
+    sce, own = losses.METHODS["sce"], argparse.ArgumentParser()  # its own flags' defaults, as main_pretrain.py's
+    for flag, kwargs in sce.flags:
+        own.add_argument(flag, **kwargs)
+    flags = argparse.Namespace(**vars(args), **vars(own.parse_args([])), method="sce", tau=sce.tau, tau_m=sce.tau_m,
+                               pred_hidden_dims=[], warmup_epochs=5, ema_momentum=0.996, ema_schedule="cosine",
+                               epochs=200)
     flags.queue_size = queue
     lam = losses.Lambda(flags, device)
     model = build_model(flags, losses.criterion(flags, lam), args.bn_splits if args.shuffle_bn else 1).to(device)
@@ -162,8 +163,7 @@ def build_training():
     if args.compile:
         compile_model(model, COMPILES, blocks=args.compile_blocks)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    terms = functools.partial(losses.loss_terms, tau=flags.tau, tau_m=flags.tau_m)  # logged every step, as there
-    training = Training(model, model, optimizer, scaler, amp_dtype, terms=terms)
+    training = Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags))  # as there
     step = build_step(training, device, args.cuda_graph, args.compile)
     return training, Scheduled(epoch.Run(flags, training, step, None, 100, device, None, None,
                                          0.5 * args.batch_size / 256, -1, lam, None, timing.Split(COMPILES)))

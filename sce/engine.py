@@ -32,7 +32,7 @@ class Training:
     amp_dtype: torch.dtype = None
     bn_stats: list = None  # running means and variances of every BN layer; filled from the model
     guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
-    terms: object = None  # f(q, k, queue) -> the logged terms of eq. 10 (losses.loss_terms), or None
+    terms: object = None  # f(q, k, queue) -> {name: value}, the method's logged terms (losses.logged_terms)
     autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (Step "graphed")
 
     def __post_init__(self):
@@ -67,7 +67,7 @@ def train_step(t, views, momentum):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    terms = t.terms(*outputs) if t.terms else None  # eq. 10's logged terms, in fp32 as the loss is
+    terms = t.terms(*outputs) if t.terms else None  # the method's logged terms, in fp32 as the loss is
     return loss.detach(), finite, terms
 
 

@@ -1,5 +1,5 @@
 """One epoch of pretraining and its end: the schedules of each step, the step itself (sce.engine.Step), the loss
-and eq. 10 terms averaged on the device over the finite steps of each window and of the epoch (a window
+and the method's logged terms averaged on the device over the finite steps of each window and of the epoch (a window
 without one reads NaN, never 0), the progress line, TensorBoard, the stops for non-finite steps and stop
 requests; then the epoch's checkpoint (written in the background), its kNN and its line of log.txt (once its
 checkpoint is on disk), the estimate after the first whole epoch; and the one way out of the loop (finish).
@@ -24,10 +24,6 @@ from sce.preemption import Preemption, stop
 from sce.progress import format_eta
 from sce.resume import run_state
 from sce.timing import Split
-
-# the loss and the three terms of eq. 10 (of the first (target, query) pair), averaged over finite steps
-TERMS = ["loss", "infonce", "ressl", "ceil"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -59,28 +55,30 @@ class Epoch:
     stopped_at: int  # the step to resume from, when a stop was requested mid-epoch; else None
     stats: dict  # the epoch's averages (its line of log.txt) when it ended; else None
     nonfinite: torch.Tensor  # consecutive non-finite steps at its end, on the device (the next epoch goes on)
-    sums: list = None  # when stopped: the epoch's sums so far (finite steps, TERMS, finite losses), for the resume
+    sums: list = None  # when stopped: the epoch's sums so far (finite steps, Tally.names, finite losses), to resume
 
 
 class Tally:
     """What the steps did, summed on the device (no host sync): per window of progress lines and per epoch, the
-    finite steps and the sums of TERMS over them; the steps whose loss was finite; consecutive non-finite steps.
+    finite steps and the sums over them of the loss and of the terms the method logs (`names`, in the order the
+    step returns them, known from the first step); the steps whose loss was finite; consecutive non-finite steps.
     `sums`: the epoch's before a resume within it (Epoch.sums)."""
 
     def __init__(self, device, nonfinite, sums=None):
-        self.window = torch.zeros(1 + len(TERMS), device=device)
-        self.epoch = torch.zeros_like(self.window)
-        self.finite_losses = torch.zeros((), device=device)  # not only the gradients: the loss itself
-        if sums:
-            self.epoch += torch.tensor(sums[:-1], device=device)
-            self.finite_losses += sums[-1]
+        self.names = self.window = self.epoch = None  # the first step sets them
+        self.resumed = sums
+        self.finite_losses = torch.full((), sums[-1] if sums else 0.0, device=device)  # not only the gradients' verdict
         self.nonfinite = nonfinite.clone()
 
     def add(self, loss, finite, terms):
         self.nonfinite = torch.where(finite, torch.zeros_like(self.nonfinite), self.nonfinite + 1)
         self.finite_losses += torch.isfinite(loss)
-        values = torch.stack([torch.ones_like(loss), loss.float()] + [terms[name] for name in TERMS[1:]])
+        terms = terms or {}
+        values = torch.stack([torch.ones_like(loss), loss.float(), *terms.values()])
         values = torch.where(finite, values, torch.zeros_like(values))
+        if self.names is None:  # the first step: the loss, then the method's terms in the order it returns them
+            self.names, self.window = ["loss", *terms], torch.zeros_like(values)
+            self.epoch = values.new_tensor(self.resumed[:-1]) if self.resumed else torch.zeros_like(values)
         self.window += values
         self.epoch += values
 
@@ -123,18 +121,18 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
                 raise UserError(f"{int(tally.nonfinite.item())} consecutive non-finite losses at step {step}: "
                                 f"{likely_cause(args, lr)}; the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            stats = dict(window_means(tally.window, window_steps), lr=lr, momentum=m, **{"lambda": lam},
+            stats = dict(window_means(tally.window, window_steps, tally.names), lr=lr, momentum=m, **{"lambda": lam},
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
-                log_progress(run, epoch, i, step, stats, elapsed / window_steps)
+                log_progress(run, step, stats, elapsed / window_steps, tally.names[1:])
             tally.window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
         if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
             return Epoch(i + 1, None, tally.nonfinite, tally.sums())
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
     steps_s = run.split.report()[0]["steps"] - steps_before
-    stats = dict(window_means(tally.epoch, steps), lr=lr, momentum=m, **{"lambda": lam},
+    stats = dict(window_means(tally.epoch, steps, tally.names), lr=lr, momentum=m, **{"lambda": lam},
                  images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
     # losses on some rank, overflowing gradients while it lowers its scale) are left to that flag
@@ -166,12 +164,12 @@ def timed_step(run, step, views, momentum):
     return out
 
 
-def window_means(sums, steps):
-    """TERMS averaged over the finite steps of a window (NaN when none was finite, never 0), and the
-    number of steps skipped as non-finite."""
+def window_means(sums, steps, names):
+    """The loss and terms `names` averaged over the finite steps of a window (NaN when none was finite, never 0), and
+    the number of steps skipped as non-finite."""
     finite, *totals = sums.tolist()  # one copy to the host
     means = (total / finite if finite else float("nan") for total in totals)
-    return dict(zip(TERMS, means), skipped_steps=steps - round(finite))
+    return dict(zip(names, means), skipped_steps=steps - round(finite))
 
 
 def likely_cause(args, lr):
@@ -179,9 +177,10 @@ def likely_cause(args, lr):
     return f"the lr ({lr:.3g}) is likely too high{fp16}, or the data holds non-finite values"
 
 
-def log_progress(run, epoch, i, step, stats, seconds_per_step):
-    """The progress line (loss, lr, momentum, throughput, data wait, peak memory, ETA) and TensorBoard."""
-    args = run.args
+def log_progress(run, step, stats, seconds_per_step, terms):
+    """The progress line (loss, lr, momentum, throughput, data wait, peak memory, ETA) and TensorBoard (`terms`: the
+    names of the method's logged terms among the stats)."""
+    args, (epoch, i) = run.args, divmod(step, run.steps_per_epoch)
     eta = (run.total_steps - step - 1) * seconds_per_step
     memory = ""
     if run.device.type == "cuda":
@@ -193,7 +192,7 @@ def log_progress(run, epoch, i, step, stats, seconds_per_step):
           f"eta {format_eta(eta)}", flush=True)
     if run.tensorboard:
         for name, value in stats.items():
-            run.tensorboard.add_scalar(f"terms/{name}" if name in TERMS[1:] else f"train/{name}", value, step)
+            run.tensorboard.add_scalar(f"terms/{name}" if name in terms else f"train/{name}", value, step)
 
 
 # ---------------------------------------------------------------- the end of an epoch

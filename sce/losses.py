@@ -5,7 +5,9 @@ The candidates of query i are its positive k_i followed by the M queue entries, 
 batch sums of the paper's equations run over [k_i, queue] here, as in the authors' code and in
 MoCo (other in-batch keys are not candidates).
 Equation numbers refer to the SCE paper (WACV 2023).
+METHODS holds each method main_pretrain.py trains, one record each (Method).
 """
+import dataclasses
 import functools
 
 import torch
@@ -87,26 +89,83 @@ def loss_terms(q, k, queue, tau=0.1, tau_m=0.07):
             "ceil": (log_all - log_neg).mean()}
 
 
-# method -> (loss, tau, tau_m, online view, target view); a flag given on the command line wins
+def sce_criterion(args, lam=None):
+    """SCE's loss with the run's settings: eq. 9 (lam: its Lambda, by default --lambda), or eq. 10 with
+    --loss-coeffs' free coefficients."""
+    if args.loss_coeffs:
+        lam_, mu, eta = args.loss_coeffs
+        return functools.partial(combined_loss, lambda_=lam_, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
+    return functools.partial(sce_loss, lambda_=args.lambda_ if lam is None else lam.value, tau=args.tau,
+                             tau_m=args.tau_m, mask_positive=args.mask_positive)
+
+
+def eq10_terms(args):
+    """The three terms of eq. 10 at the run's temperatures, logged every step (loss_terms)."""
+    return functools.partial(loss_terms, tau=args.tau, tau_m=args.tau_m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A method whole: main_pretrain.py's --method NAME. Adding one is its loss function above and its record in
+    METHODS (and, for benchmarks/reproduce.sh, its row of the paper's table in reproduce_tools.py's PAPER)."""
+    about: str  # what it optimises, for --help
+    criterion: object  # (args, lam=None) -> functools.partial of its loss function with the run's settings
+    tau: float  # --tau's default
+    tau_m: float  # --tau-m's default
+    views: tuple  # --online-aug's and --target-aug's defaults (rows of Table 2)
+    resume: tuple  # the settings (args keys) its loss and terms read: a resumed run keeps them
+    flags: tuple = ()  # (flag, argparse keywords) of the flags only it reads, added to main_pretrain.py's parser
+    terms: object = None  # (args) -> f(q, k, queue) -> {name: value}, logged beside the loss; None: the loss only
+
+
+SCE_FLAGS = (
+    ("--lambda", dict(dest="lambda_", type=float, default=0.5, metavar="LAMBDA",
+                      help="weight of the one-hot target, eq. 7")),
+    ("--lambda-schedule", dict(default="constant", choices=["constant", "linear", "cosine"],
+                               help="lambda after its warmup: constant, or linear / cosine from --lambda to "
+                                    "--lambda-end at the last step (a varying lambda is the paper's future work; "
+                                    "the authors' later code has it)")),
+    ("--lambda-end", dict(type=float, metavar="LAMBDA", help="lambda at the last step (default: --lambda)")),
+    ("--lambda-warmup-steps", dict(type=int, default=0, metavar="STEPS",
+                                   help="steps of a linear rise of lambda from --lambda-warmup-start to --lambda")),
+    ("--lambda-warmup-start", dict(type=float, metavar="LAMBDA",
+                                   help="lambda at step 0 of its warmup (default: --lambda)")),
+    ("--mask-positive", dict(action="store_true", help="eq. 3 strictly: the positive gets target weight 0 "
+                                                       "(default: the published constant 0 logit)")),
+    ("--loss-coeffs", dict(type=float, nargs=3, metavar=("LAMBDA", "MU", "ETA"),
+                           help="optimise eq. 10 with free coefficients (Table 3) instead of eq. 9")),
+)
+
+# a flag given on the command line wins over a method's defaults
 METHODS = {
-    "sce": ("sce", 0.1, 0.07, "strong", "weak"),
-    "moco": ("infonce", 0.2, None, "strong", "strong"),  # MoCo v2: InfoNCE, same strong views
-    "ressl": ("ressl", 0.1, 0.04, "strong", "weak"),  # ReSSL's best ImageNet temperatures
+    "sce": Method("eq. 9 (or eq. 10 with --loss-coeffs)", sce_criterion, tau=0.1, tau_m=0.07, views=("strong", "weak"),
+                  resume=("tau", "tau_m", "mask_positive", "loss_coeffs", "lambda_", "lambda_schedule", "lambda_end",
+                          "lambda_warmup_steps", "lambda_warmup_start"), flags=SCE_FLAGS, terms=eq10_terms),
+    # MoCo v2: InfoNCE on two strong views; its tau_m is only that of the logged terms
+    "moco": Method("MoCo v2's InfoNCE, eq. 1", lambda args, lam=None: functools.partial(infonce_loss, tau=args.tau),
+                   tau=0.2, tau_m=0.07, views=("strong", "strong"), resume=("tau", "tau_m"), terms=eq10_terms),
+    # ReSSL's best ImageNet temperatures
+    "ressl": Method("ReSSL's relational term, eq. 4",
+                    lambda args, lam=None: functools.partial(ressl_loss, tau=args.tau, tau_m=args.tau_m),
+                    tau=0.1, tau_m=0.04, views=("strong", "weak"), resume=("tau", "tau_m"), terms=eq10_terms),
 }
 
 
 def criterion(args, lam=None):
-    """The loss main_pretrain.py's settings ask for (args.loss, the temperatures, lambda or eq. 10's
-    coefficients); lam: its Lambda (a device tensor when it follows a schedule), by default --lambda."""
-    if args.loss == "combined":
-        lam_, mu, eta = args.loss_coeffs
-        return functools.partial(combined_loss, lambda_=lam_, mu=mu, eta=eta, tau=args.tau, tau_m=args.tau_m)
-    if args.loss == "infonce":
-        return functools.partial(infonce_loss, tau=args.tau)
-    if args.loss == "ressl":
-        return functools.partial(ressl_loss, tau=args.tau, tau_m=args.tau_m)
-    return functools.partial(sce_loss, lambda_=args.lambda_ if lam is None else lam.value, tau=args.tau,
-                             tau_m=args.tau_m, mask_positive=args.mask_positive)
+    """The loss main_pretrain.py's settings ask for: --method's, with the temperatures and its own flags; lam: its
+    Lambda (a device tensor when it follows a schedule), by default --lambda."""
+    return METHODS[args.method].criterion(args, lam)
+
+
+def logged_terms(args):
+    """f(q, k, queue) -> {name: value}: the terms --method logs beside its loss, at the run's settings; or None."""
+    method = METHODS[args.method]
+    return method.terms(args) if method.terms else None
+
+
+def loss_name(args):
+    """The loss function the run optimises (sce, infonce, ressl, combined), as args.json records it."""
+    return METHODS[args.method].criterion(args).func.__name__.removesuffix("_loss")
 
 
 def lambda_scheduled(args):

@@ -7,15 +7,15 @@ import torch
 
 from sce import UserError, checkpoint
 from sce import distributed as du
+from sce.losses import METHODS
 from sce.optim import excludes_bias_norm, load_optimizer_state
 
-# settings a resumed run must share with its checkpoint: the model's shape, the objective's settings, and
-# what the optimizer's saved state would silently override (weight decay, momentum); every other setting
-# (--lr, --epochs, the EMA, the views, logging) comes from the new command line
+# settings a resumed run must share with its checkpoint: the model's shape, the method and its own settings (its
+# record's `resume`: sce.losses.METHODS), and what the optimizer's saved state would silently override (weight
+# decay, momentum); every other setting (--lr, --epochs, the EMA, the views, logging) comes from the new command line
 RESUME_MUST_MATCH = ["arch", "small_input", "proj_hidden_dims", "proj_dim", "proj_last_bn", "optimizer",
-                     "pred_hidden_dims", "queue_size", "symmetric", "method", "tau", "tau_m", "mask_positive",
-                     "loss_coeffs", "lambda_", "lambda_schedule", "lambda_end", "lambda_warmup_steps",
-                     "lambda_warmup_start", "weight_decay", "sgd_momentum", "wd_exclude_bias_norm", "split_bn"]
+                     "pred_hidden_dims", "queue_size", "symmetric", "method", "weight_decay", "sgd_momentum",
+                     "wd_exclude_bias_norm", "split_bn"]
 
 
 def find_resume(args):
@@ -113,7 +113,7 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     if ckpt.get("kind") != "pretrain":
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
     saved, now = ckpt["args"], vars(args)
-    for key in RESUME_MUST_MATCH:
+    for key in RESUME_MUST_MATCH + list(METHODS[args.method].resume):
         was, is_now = effective(saved, key), effective(now, key)
         if key == "split_bn" and None in (was, is_now):  # split BN on one side only: --shuffle-bn, ranks decide
             continue

@@ -60,7 +60,7 @@ def test_help_of_every_script_shows_seed_default(script):
     assert "(default: 0)" in flag_help(script_parser(script).format_help(), "--seed")
 
 
-@pytest.mark.parametrize("script", ["main_lincls.py", "main_lowshot.py"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_flag_has_a_description(script):
     p = script_parser(script)
     text = p.format_help()
@@ -72,8 +72,13 @@ def test_every_flag_has_a_description(script):
         assert "(default: 0)" in flag_help(text, "--warmup-epochs")
         assert "(default: 0.0)" in flag_help(text, "--weight-decay")
         assert "auto:" in flag_help(text, "--resume") and "none:" in flag_help(text, "--resume")
-    else:
+    elif script == "main_lowshot.py":
         assert "--shots K [K ...]" in text and "(default: 16 32 64 full)" in text
+    else:  # each method's defaults, from its record; its own flags in a group of their own
+        assert flag_help(text, "--tau").endswith("(default: the method's: sce 0.1, moco 0.2, ressl 0.1)")
+        assert flag_help(text, "--target-aug").endswith("(default: the method's: sce weak, moco strong, ressl weak)")
+        assert "moco: MoCo v2's InfoNCE, eq. 1" in flag_help(text, "--method")
+        assert text.index("\n--method sce:\n") < text.index("  --mask-positive") < text.index("\noptimisation:")
 
 
 def test_no_script_imports_another():

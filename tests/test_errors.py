@@ -187,6 +187,8 @@ def test_bad_input_is_one_line(data, tmp_path, capsys):
     (["--shuffle-bn"], "--bn-splits 8 must divide the batch of 8 into chunks of at least 2"),
     (["--lambda-end", "1.5"], "must lie in \\[0, 1\\]"),
     (["--lambda-schedule", "cosine", "--method", "moco"], "need the SCE loss"),
+    (["--loss-coeffs", "1", "0", "0", "--method", "moco"], "--loss-coeffs is a setting of --method sce, not of moco"),
+    (["--mask-positive", "--method", "ressl"], "--mask-positive is a setting of --method sce, not of ressl"),
     (["--crop-size", "6"], "too small to blur"),
     (["--seed", "-1"], r"--seed must lie in \[0, 9223372036854775807\] \(got -1\)"),
     (["--seed", "99999999999999999999"], r"--seed must lie in \[0, 9223372036854775807\] \(got 9999"),
@@ -239,6 +241,8 @@ def test_bad_files(data, tmp_path):
                "--weight-decay 0.0001, not 0.001")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--method", "moco"], "--method sce")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--tau-m", "0.05"], "--tau-m 0.07")
+    user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--mask-positive"],
+               "--mask-positive \\(off\\), not \\(on\\)")  # a setting of its method's record
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd-exclude-bias-norm"],
                "--wd-exclude-bias-norm \\(off\\), not \\(on\\)")
     mid = load(tmp_path / "r18" / "checkpoint_last.pth")

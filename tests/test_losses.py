@@ -122,6 +122,24 @@ def test_free_coefficients(qkm):
     assert got == pytest.approx(want, rel=1e-10)
 
 
+def test_each_method_is_its_record(qkm):
+    """main_pretrain.py --method NAME optimises its record's loss at its defaults (MoCo v2: InfoNCE at tau 0.2; ReSSL:
+    0.1 / 0.04; SCE: eq. 9 at 0.1 / 0.07, eq. 10 with --loss-coeffs), as args.loss records it, and logs eq. 10's terms
+    at the same temperatures."""
+    import main_pretrain
+    q, k, queue = qkm
+    for flags, loss, want in [([], "sce", reference_sce(q, k, queue, 0.5, 0.1, 0.07, False)),
+                              (["--loss-coeffs", "0.5", "0.5", "0"], "combined",
+                               0.5 * reference_infonce(q, k, queue, 0.1) + 0.5 * reference_ressl(q, k, queue, 0.1, 0.07)),
+                              (["--method", "moco"], "infonce", reference_infonce(q, k, queue, 0.2)),
+                              (["--method", "ressl"], "ressl", reference_ressl(q, k, queue, 0.1, 0.04))]:
+        args = main_pretrain.parse_args(["--data", "unread"] + flags)
+        assert args.loss == loss and losses.criterion(args)(q, k, queue).item() == pytest.approx(want, rel=1e-10)
+        terms = losses.logged_terms(args)(q, k, queue)
+        assert list(terms) == ["infonce", "ressl", "ceil"]
+        assert terms["ressl"].item() == pytest.approx(reference_ressl(q, k, queue, args.tau, args.tau_m), rel=1e-10)
+
+
 def test_gradient_reaches_only_the_online_branch():
     """SCE.forward then backward: the momentum branch and the queue get no gradient, even when they
     are set to require one (target() runs under no_grad, the loss uses a detached copy of the queue)."""

@@ -1,5 +1,6 @@
 """main_pretrain.py as users run it: the methods and their options, the device augmentation lowering the loss, the
 views' preview, MoCo's spellings, the embedded demo."""
+import dataclasses
 import glob
 import json
 import os
@@ -11,7 +12,7 @@ from PIL import Image
 
 from conftest import TINY, assert_trained, load, pretrain, run_script, write_imagefolder
 import main_pretrain
-from sce import UserError
+from sce import UserError, losses
 from sce.timing import PARTS
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
@@ -22,7 +23,7 @@ def data(tmp_path_factory):
     return write_imagefolder(tmp_path_factory.mktemp("pretrain") / "data", num_classes=3, per_class=6, size=20)
 
 
-def test_methods_and_options_run(data, tmp_path, capsys):
+def test_methods_and_options_run(data, tmp_path, capsys, monkeypatch):
     # baselines, eq. 10, symmetric multi-crop on device, shuffle-BN, LARS, channels-last, a predictor; the kNN monitor
     # (every BN split, --split-bn all: a run that splits BN resumes only with the same --split-bn)
     flags = ["--method", "ressl", "--symmetric", "--local-crop-sizes", 8, "--local-crop-scales", 0.1, 0.5,
@@ -37,8 +38,12 @@ def test_methods_and_options_run(data, tmp_path, capsys):
     assert_trained(tmp_path / "r")
     assert any(k.startswith("predictor.") for k in ckpt["model"])
     capsys.readouterr()
+    # a method whose record logs no terms logs its loss alone
+    monkeypatch.setitem(losses.METHODS, "moco", dataclasses.replace(losses.METHODS["moco"], terms=None))
     pretrain(data, tmp_path / "m", "--method", "moco", "--knn-data", data, "--knn-every", 1)
     assert re.search(r"=> epoch 1: kNN top-1 \d+\.\d+ top-5 \d+\.\d+", capsys.readouterr().out)  # the kNN monitor
+    line = json.loads(open(tmp_path / "m" / "log.txt").read().splitlines()[-1])
+    assert line["loss"] > 0 and not {"infonce", "ressl", "ceil"} & set(line)
     args = load(tmp_path / "m" / "checkpoint_last.pth")["args"]
     assert args["tau"] == 0.2 and args["loss"] == "infonce" and args["target_aug"] == "strong"
     assert args["split_bn"] is None  # no split BN: recorded as the run applied it
