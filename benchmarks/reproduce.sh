@@ -34,7 +34,6 @@ DATASET=${1:?$usage}
 DATA=$(realpath -m "${2:?$usage}")  # the caller's paths, before the cd
 OUT=$(realpath -m "${3:-$(dirname "$0")/../runs/reproduce/$DATASET$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
 cd "$(dirname "$0")/.."
-METHODS=${METHODS-sce ressl moco}
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -45,13 +44,10 @@ command -v "${PYTHON%% *}" > /dev/null || { echo "error: no Python interpreter '
 # (supp. Table 10's best); an unknown dataset is one line naming the known ones
 recipe=$($PYTHON benchmarks/reproduce_tools.py recipe "$DATASET") || exit 1
 eval "$recipe"
-[ -n "${METHODS// /}" ] || { echo "error: METHODS is empty: use some of sce ressl moco (or leave it unset: all)" >&2; exit 1; }
-for method in $METHODS; do
-    case $method in sce|ressl|moco) ;; *) echo "error: unknown method '$method' in METHODS: use sce, ressl or moco" >&2; exit 1 ;; esac
-done
-# MoCo v2: InfoNCE, tau 0.2, two strong views; ReSSL: its relational term, tau 0.1 / tau_m 0.04, weak target
-declare -A FLAGS=([sce]="--method sce $SCE_TEMPS" [ressl]="--method ressl --tau 0.1 --tau-m 0.04"
-                  [moco]="--method moco --tau 0.2")
+# the methods of the paper's table (benchmarks/reproduce_tools.py's PAPER), all of them when METHODS is unset; each
+# runs with its own defaults (main_pretrain.py --method: MoCo v2 tau 0.2, two strong views; ReSSL tau 0.1, tau_m
+# 0.04), SCE with the dataset's temperatures
+METHODS=$($PYTHON benchmarks/reproduce_tools.py methods ${METHODS+"$METHODS"}) || exit 1
 PRETRAIN="--arch resnet18 --small-input --crop-size $CROP --batch-size 256 --epochs 200 --lr 0.06 --weight-decay 5e-4
           --warmup-epochs 5 --ema-schedule constant --ema-momentum $EMA --proj-hidden-dims 512 --proj-dim 256
           --proj-last-bn none --shuffle-bn --bn-splits 8 --queue-size $QUEUE --knn-every 20"
@@ -152,10 +148,11 @@ stage() {
 EPOCHS=$(grep -o -- "--epochs [0-9]*" <<< "$PRETRAIN" | tail -1 | cut -d" " -f2)
 epochs_done() { [ -f "$1/log.txt" ] && grep -o '"epoch": [0-9]*' "$1/log.txt" | tail -1 | cut -d" " -f2 || echo 0; }
 for method in $METHODS; do
-    run=$OUT/$method
+    run=$OUT/$method temps=""
+    if [ "$method" = sce ]; then temps=$SCE_TEMPS; fi
     # shellcheck disable=SC2086
     pretrain=($PYTHON main_pretrain.py --dataset "$FORMAT" --data "$ROOT" --knn-data "$ROOT" $PRETRAIN
-              ${FLAGS[$method]} --output-dir "$run")
+              --method "$method" $temps --output-dir "$run")
     if [ "$(epochs_done "$run")" != "$EPOCHS" ]; then
         stage "$method pretrain" "$OUT/$method.pretrain.log" "$method" "${pretrain[@]}"
     fi
