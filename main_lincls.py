@@ -16,8 +16,7 @@ import torch
 from sce import UserError, cli, data, outdir, timing, transfer
 from sce import distributed as du
 from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs
-from sce.compiling import Log
-from sce.engine import resolve_compile
+from sce.compiling import Log, resolve_compile
 from sce.frozen import load_frozen, split_features
 from sce.knn import knn_accuracy
 from sce.optim import build_optimizer, load_optimizer_state

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from sce import UserError, cli, data, outdir, transfer
-from sce.engine import resolve_compile
+from sce.compiling import resolve_compile
 from sce.frozen import load_frozen, split_features
 
 

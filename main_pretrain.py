@@ -16,12 +16,13 @@ import random
 import numpy as np
 import torch
 
-from sce import UserError, cli, compiling, data, knn, losses, outdir, timing
+from sce import UserError, cli, compiling, cuda_graph, data, knn, losses, outdir, timing
 from sce import distributed as du
 from sce.builder import ARCHS, build_model
 from sce.checkpoint import Writer
-from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model, resolve_compile
-from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch
+from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs
+from sce.epoch import (Run, Schedules, Training, build_step, end_epoch, epochs_logged, finish, knn_due, log_epoch,
+                       train_one_epoch)
 from sce.optim import build_optimizer
 from sce.preemption import Interrupted, Preemption
 from sce.resume import check_ranks_agree, resume
@@ -254,12 +255,8 @@ def resolve_device_defaults(args, device, world_size):
     without fp16's GradScaler, the step is a CUDA graph."""
     args.augment = args.augment or ("gpu" if device.type == "cuda" or args.preload == "device" else "cpu")
     args.decode = data.resolve_decode(args.decode, device) if args.augment == "gpu" else "loader"
-    args.compile = resolve_compile(args.compile, device)
-    graph_possible = device.type == "cuda" and world_size == 1 and args.amp != "fp16"
-    if args.cuda_graph and not graph_possible:
-        print("=> --cuda-graph needs one GPU process without --amp fp16 (GradScaler): the step runs eagerly",
-              flush=True)
-    args.cuda_graph = graph_possible and args.cuda_graph is not False
+    args.compile = compiling.resolve_compile(args.compile, device)
+    args.cuda_graph = cuda_graph.usable(args.cuda_graph, device, world_size, args.amp, "the step")
 
 
 def main(argv=None):
@@ -300,8 +297,8 @@ def pretrain(args, rank, world_size, device, bn_splits):
         raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
                         "lower --batch-size")
     sampler = data.ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
-    batches = data.from_flags(args, dataset, sampler, device, route, try_preload, cli.AMP[args.amp], budget, compiles,
-                              preview=bool(args.preview_views))
+    batches = data.from_flags(args, dataset, sampler, device, route, try_preload, dtype=cli.AMP[args.amp],
+                              budget=budget, compiles=compiles, preview=bool(args.preview_views))
     timing.mark("data")  # listed, and preloaded where it is
     preview = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
     if args.preview_views:  # the views of 8 images of epoch 0, as training makes them
@@ -317,8 +314,8 @@ def pretrain(args, rank, world_size, device, bn_splits):
     monitor = knn_monitor(args, device, budget, compiles, batches, data_id["data_id"])
     untrained = monitor(model)[0] if args.demo else None
     timing.mark("model and kNN data")
-    base_lr = args.lr * args.batch_size / 256
-    optimizer = build_optimizer(args.optimizer, model, base_lr, args.weight_decay, args.sgd_momentum,
+    schedules = Schedules(args, sampler.steps)  # the lr, EMA momentum and lambda of each step
+    optimizer = build_optimizer(args.optimizer, model, schedules.base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id)
@@ -340,7 +337,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     if rank == 0:
         outdir.write_json(os.path.join(args.output_dir, "args.json"), settings)
     if args.compile:
-        compile_model(model, compiles)
+        compiling.compile_model(model, compiles)
 
     ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
     preemption = Preemption(world_size, args.dist_timeout)
@@ -350,14 +347,17 @@ def pretrain(args, rank, world_size, device, bn_splits):
         tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
     timing.mark("resume and TensorBoard")
     training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args))
-    step = build_step(training, device, args.cuda_graph, args.compile)
+    step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, compiles)
     if rank == 0:
         print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
-              f"on {world_size} rank(s), lr {base_lr:.4g}", flush=True)
-        print(f"=> data: {batches.describe()}; step: {step.describe()}; amp {args.amp}", flush=True)
+              f"on {world_size} rank(s), lr {schedules.base_lr:.4g}", flush=True)
+        described = (f"CUDA graph after {GRAPH_WARMUP} steps" if args.cuda_graph else "compiled" if args.compile
+                     else "eager")
+        print(f"=> data: {batches.describe()}; step: {described}; amp {args.amp}", flush=True)
 
-    run = Run(args, training, step, batches, sampler.steps, device, tensorboard, preemption, base_lr, first_step, lam,
-              Writer(), split, monitor, data_id)
+    run = Run(args=args, training=training, step=step, schedules=schedules, lam=lam, batches=batches,
+              steps_per_epoch=sampler.steps, device=device, tensorboard=tensorboard, preemption=preemption,
+              first_step=first_step, checkpoints=Writer(), split=split, monitor=monitor, data=data_id)
     nonfinite, result, done = torch.zeros((), device=device), None, start_epoch
     split.loop()
     try:
@@ -391,9 +391,11 @@ def knn_monitor(args, device, budget, compiles, batches, data_id):
         return None
     size = data.eval_crop_size(None, args.small_input, vars(args), args.dataset)[0]
     reuse = (data_id, batches.preloaded) if batches.preloaded else None
-    sets = data.eval_splits(args.dataset, args.knn_data, size, args.small_input, device, args.preload, args.decode,
-                            min(args.workers, 4), class_list=args.class_list, what="kNN ", budget=budget, reuse=reuse)
-    return knn.Monitor(sets, args.knn_k, args.knn_t, args.knn_max_train, args.seed, args.compile, compiles)
+    sets = data.eval_splits(args.dataset, args.knn_data, size, args.small_input, device, preload_mode=args.preload,
+                            decode=args.decode, workers=min(args.workers, 4), class_list=args.class_list, what="kNN ",
+                            budget=budget, reuse=reuse)
+    return knn.Monitor(sets, args.knn_k, args.knn_t, max_train=args.knn_max_train, seed=args.seed,
+                       compiled=args.compile, compiles=compiles)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,7 @@ from bench_common import environment, time_calls  # noqa: E402
 from photos import write_photos  # noqa: E402
 from sce import cli, compiling  # noqa: E402
 from sce.builder import build_trunk  # noqa: E402
-from sce.compiling import compile_module  # noqa: E402
-from sce.engine import resolve_compile  # noqa: E402
+from sce.compiling import compile_module, resolve_compile  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--images", type=int, default=512, help="photos written, half a class (default: 512)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Pretraining throughput, side by side in one run: the data loader alone (CPU vs GPU augmentation),
 the training step alone (synthetic device tensors), and both together, all through the code
-main_pretrain.py runs (sce.data.pretrain_batches; sce.epoch.one_step: the schedules, sce.engine.Step and the
-device-side sums of each step).
+main_pretrain.py runs (sce.data.pretrain_batches; sce.epoch.one_step: the schedules, sce.epoch.build_step's step
+and the device-side sums of each step).
 
     python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
     # the per-image CPU cost
@@ -36,8 +36,8 @@ from bench_common import count_host_syncs, environment, no_compile_since, sync, 
 from photos import write_photos  # noqa: E402
 from sce import cli, compiling, data, epoch, losses, timing  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
-from sce.compiling import compile_module  # noqa: E402
-from sce.engine import GRAPH_WARMUP, Training, build_step, compile_model  # noqa: E402
+from sce.compiling import CompiledStep, compile_model, compile_module  # noqa: E402
+from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +55,7 @@ parser.add_argument("--compile", action="store_true",
                     help="torch.compile the encoders, the heads and the device augmentation (main_pretrain.py's "
                          "default on CUDA)")
 parser.add_argument("--compile-blocks", action="store_true",
-                    help="with --compile: each residual block compiled apart (sce.engine.compile_model's blocks), "
+                    help="with --compile: each residual block compiled apart (sce.compiling.compile_model's blocks), "
                          "against main_pretrain.py's whole trunks: the cold compile's first_step_s tells")
 parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
 parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with split BN of --bn-splits chunks")
@@ -65,7 +65,7 @@ parser.add_argument("--proj-dim", type=int, default=256, help="(default: 256)")
 parser.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
                     help="(default: affine)")
 parser.add_argument("--cuda-graph", action="store_true",
-                    help="replay the step from a CUDA graph (sce.engine.Step)")
+                    help="replay the step from a CUDA graph (sce.cuda_graph.Graphed)")
 parser.add_argument("--preload", action="store_true",
                     help="also end to end from images preloaded on the device (sce.data's preload route): --data "
                          "decoded once, else random images of --image-size")
@@ -152,26 +152,29 @@ def build_training():
     for flag, kwargs in sce.flags:
         own.add_argument(flag, **kwargs)
     flags = argparse.Namespace(**vars(args), **vars(own.parse_args([])), method="sce", tau=sce.tau, tau_m=sce.tau_m,
-                               pred_hidden_dims=[], warmup_epochs=5, ema_momentum=0.996, ema_schedule="cosine",
-                               epochs=200)
+                               pred_hidden_dims=[], lr=0.5, warmup_epochs=5, ema_momentum=0.996,
+                               ema_schedule="cosine", epochs=200)
     flags.queue_size = queue
     lam = losses.Lambda(flags, device)
     model = build_model(flags, losses.criterion(flags, lam), args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer("sgd", model, 0.5 * args.batch_size / 256, 1e-4)
+    schedules = epoch.Schedules(flags, 100)  # 100 steps an epoch: any number does
+    optimizer = build_optimizer("sgd", model, schedules.base_lr, 1e-4)
     if args.compile:
         compile_model(model, COMPILES, blocks=args.compile_blocks)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    training = Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags))  # as there
-    step = build_step(training, device, args.cuda_graph, args.compile)
-    return training, Scheduled(epoch.Run(flags, training, step, None, 100, device, None, None,
-                                         0.5 * args.batch_size / 256, -1, lam, None, timing.Split(COMPILES)))
+    training = epoch.Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags))  # as there
+    step = epoch.build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, COMPILES)
+    return training, Scheduled(epoch.Run(args=flags, training=training, step=step, schedules=schedules, lam=lam,
+                                         batches=None, steps_per_epoch=100, device=device, tensorboard=None,
+                                         preemption=None, first_step=0, checkpoints=None,
+                                         split=timing.Split(COMPILES)))
 
 
 class Scheduled:
-    """step(views, _) as main_pretrain.py's loop runs it, global step after global step (100 an epoch: any number
-    does): sce.epoch.one_step, that is the schedules, the Step (sce.engine) and the device-side sums."""
+    """step(views, _) as main_pretrain.py's loop runs it, global step after global step: sce.epoch.one_step, that is
+    the schedules, build_step's step and the device-side sums."""
 
     def __init__(self, run):
         self.run, self.steps = run, itertools.count()
@@ -180,8 +183,20 @@ class Scheduled:
     def __call__(self, views, _momentum):
         epoch.one_step(self.run, next(self.steps), views, self.tally)
 
-    def __getattr__(self, name):  # graphed, compile_failed, ...: the Step's
-        return getattr(self.run.step, name)
+    @property
+    def graph(self):
+        """The step's CUDA graph (sce.cuda_graph.Graphed), or None."""
+        return self.run.step if isinstance(self.run.step, Graphed) else None
+
+    @property
+    def graphed(self):
+        return self.graph is not None and self.graph.graphed
+
+    @property
+    def compile_failed(self):
+        """Why compiling the step failed (sce.compiling.CompiledStep), or None."""
+        inner = self.graph.fn if self.graph else self.run.step
+        return inner.failed if isinstance(inner, CompiledStep) else None
 
 
 def bench_references():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The CUDA-graph steps give the eager steps' numbers (for gpu_check.sh): two copies of RECIPES.md's CIFAR-10
 model (ResNet-18 small-input, the momentum encoder's BN split in 8, batch 256, queue 4096), the same views and lr,
-8 steps each, one through train_step, one through sce.engine.build_step's CUDA graph (captured after its eager steps);
+8 steps each, one through train_step, one through sce.epoch.build_step's CUDA graph (captured after its eager steps);
 losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
 at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
@@ -22,11 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sce import losses  # noqa: E402
-from sce.builder import MomentumModel  # noqa: E402
-from sce.engine import GRAPH_WARMUP, Training, build_step, lr_as_tensors, train_step  # noqa: E402
-from sce.builder import build_trunk  # noqa: E402
+from sce.builder import MomentumModel, build_trunk  # noqa: E402
 from sce.compiling import Log, compile_module  # noqa: E402
-from sce.engine import CudaGraphs  # noqa: E402
+from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, lr_as_tensors  # noqa: E402
+from sce.epoch import Training, build_step, train_step  # noqa: E402
 from sce.frozen import Frozen  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 from sce.probe import Head, Probe, Step, make_head  # noqa: E402
@@ -58,7 +57,7 @@ runs = {}
 for name in ("eager", "graph"):
     lam = torch.tensor(0.5, device=device)  # filled in place each step, as main_pretrain.py's schedule does
     t = training(lam)
-    step = functools.partial(train_step, t) if name == "eager" else build_step(t, device, cuda_graph=True)
+    step = functools.partial(train_step, t) if name == "eager" else build_step(t, graphs=CudaGraphs(device))
     out = []
     for s in range(args.steps):
         set_lr(t.optimizer, cosine_lr(s, args.steps, 0.06, 2))
@@ -89,7 +88,8 @@ def probe_run(graphed, poison=None, compiled=False):
     head = make_head(512, 10, device)
     optimizer = build_optimizer("sgd", head, 30.0, 0.0, exclude_bias_norm=True)
     lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
-    probe = Probe(1, args.steps + 4, 256, 30.0, "step", (60, 80), 0, 10, None)
+    probe = Probe(epochs=1, steps=args.steps + 4, per_rank=256, lr=30.0, schedule="step", milestones=(60, 80),
+                  warmup_epochs=0, print_freq=10, amp=None)
     model = Head(Frozen(trunk, 512, {}, "resnet18", True, compiled), head, head, optimizer,
                  torch.amp.GradScaler("cuda", enabled=False))
     sums = torch.zeros(2, dtype=torch.float64, device=device)

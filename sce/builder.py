@@ -203,7 +203,7 @@ class MomentumModel(nn.Module):
         # shuffle-BN (MoCo): BN statistics of the keys come from a random subset of the global
         # batch; on one process the split BN layers make the subsets
         x_all = du.all_gather(x)
-        # rand + argsort: a permutation drawn on the device, which a CUDA graph captures (sce.engine.Step)
+        # rand + argsort: a permutation drawn on the device, which a CUDA graph captures (sce.cuda_graph)
         perm = du.broadcast(torch.rand(len(x_all), device=x.device).argsort())
         world, rank = du.world_size(), du.rank()
         out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))

@@ -1,11 +1,13 @@
-"""One epoch of pretraining and its end: the schedules of each step, the step itself (sce.engine.Step), the loss
-and the method's logged terms averaged on the device over the finite steps of each window and of the epoch (a window
-without one reads NaN, never 0), the progress line, TensorBoard, the stops for non-finite steps and stop
-requests; then the epoch's checkpoint (written in the background), its kNN and its line of log.txt (once its
-checkpoint is on disk), the estimate after the first whole epoch; and the one way out of the loop (finish).
-main_pretrain.py builds the Run."""
+"""One epoch of pretraining and its end: the training step (train_step; build_step, what the loop calls: the same
+step, compiled or replayed from a CUDA graph), the schedules of each step (Schedules), the loss and the method's
+logged terms averaged on the device over the finite steps of each window and of the epoch (a window without one
+reads NaN, never 0), the progress line, TensorBoard, the stops for non-finite steps and stop requests; then the
+epoch's checkpoint (written in the background), its kNN and its line of log.txt (once its checkpoint is on disk),
+the estimate after the first whole epoch; and the one way out of the loop (finish). main_pretrain.py builds the
+Run."""
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -16,37 +18,132 @@ from sce import UserError, write_file
 from sce import distributed as du
 from sce.builder import momentum_at
 from sce.checkpoint import Writer
-from sce.compiling import graphs_compiled
-from sce.engine import Step, Training
+from sce.compiling import CompiledStep
+from sce.cuda_graph import Graphed, lr_as_tensors
 from sce.losses import Lambda
-from sce.optim import cosine_lr, set_lr
+from sce.optim import cosine_lr, grads_finite, restore_unless_finite, scheduled, set_lr, step_unless_nonfinite
 from sce.preemption import Preemption, stop
 from sce.progress import format_eta
 from sce.resume import run_state
 from sce.timing import Split
+
+
+@dataclasses.dataclass
+class Training:
+    """What a training step uses and updates."""
+    model: torch.nn.Module  # the MomentumModel (sce.builder)
+    ddp_model: torch.nn.Module  # the same, wrapped in DDP on several ranks
+    optimizer: torch.optim.Optimizer  # fused SGD or LARS (sce.optim)
+    scaler: torch.amp.GradScaler = None  # fp16 only
+    amp_dtype: torch.dtype = None
+    bn_stats: list = None  # running means and variances of every BN layer; filled from the model
+    guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
+    terms: object = None  # f(q, k, queue) -> {name: value}, the method's logged terms (sce.losses), or None
+    autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (build_step)
+
+    def __post_init__(self):
+        if self.bn_stats is None:
+            self.bn_stats = [b for name, b in self.model.named_buffers()
+                             if name.endswith(("running_mean", "running_var"))]
+
+
+def train_step(t, views, momentum):
+    """One optimizer step on device views: the forward of both branches and the loss (t.ddp_model, the
+    MomentumModel's forward), the backward, the optimizer's step, the EMA; returns (loss, finite, terms), device
+    tensors (terms: t.terms of the first (target, query) pair, computed here so that the benchmark times them).
+    A step whose gradients are not finite leaves the weights and the optimizer as they were, decided on the device
+    without a host sync: the fused SGD (or LARS) update is skipped through its `found_inf` input, the EMA uses
+    momentum 1, and the BN running statistics, which the forward moved, are put back (their num_batches_tracked
+    counters are not). The queue keeps the step's keys when they are finite, as in MoCo."""
+    device = views[0].device
+    autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None,
+                              cache_enabled=t.autocast_cache)
+    stats = torch.cat([s.flatten() for s in t.bn_stats]) if t.guard and t.bn_stats else None
+    with autocast:
+        loss, outputs = t.ddp_model(views)
+    t.optimizer.zero_grad(set_to_none=True)
+    if t.scaler:
+        t.scaler.scale(loss).backward()
+        t.scaler.unscale_(t.optimizer)
+    else:
+        loss.backward()
+    finite = grads_finite(t.optimizer) if t.guard else torch.ones((), dtype=torch.bool, device=device)
+    if t.scaler:
+        t.scaler.step(t.optimizer)  # passes its own found_inf (the same verdict) to the fused step
+        t.scaler.update()
+    elif t.guard:
+        step_unless_nonfinite(t.optimizer, finite)
+    else:
+        t.optimizer.step()
+    t.model.update_momentum(momentum, finite)
+    if stats is not None:
+        restore_unless_finite(t.bn_stats, stats, finite)
+    terms = t.terms(*outputs) if t.terms else None  # in fp32, as the loss is
+    return loss.detach(), finite, terms
+
+
+def build_step(training, compiled=False, graphs=None, compiles=None):
+    """What the loop calls each step, step(views, momentum) -> (loss, finite, terms): train_step on `training`,
+    eager; compiled (its modules were compiling.compile_model'd): through compiling.CompiledStep, which falls back
+    to eager at the first step; graphs (sce.cuda_graph.CudaGraphs, or the tests' stand-in): replayed from a CUDA
+    graph after GRAPH_WARMUP eager steps (sce.cuda_graph.Graphed; the outputs are the graph's tensors, overwritten
+    by the next step). What changes from step to step reaches a graph through device tensors: the views and the
+    EMA momentum copied in, the lr filled in place (lr_as_tensors, then set_lr), lambda the criterion's tensor
+    (sce.losses.Lambda). compiles: the run's compiling.Log, where compiles and a capture are noted."""
+    step = functools.partial(train_step, training)
+    if compiled:
+        step = CompiledStep(step, training.model, compiles)
+    if graphs:
+        lr_as_tensors(training.optimizer, next(training.model.parameters()).device)
+        training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs)
+        step = Graphed(step, graphs, "the training step", compiles=compiles)
+    return step
+
+
+class Schedules:
+    """The lr, EMA momentum and lambda of any global step, from the flags (as the probe's Probe.lr_at): the lr a
+    linear warmup then a cosine decay of --lr scaled by the batch, the momentum --ema-momentum's schedule, lambda
+    --lambda's."""
+
+    def __init__(self, args, steps_per_epoch):
+        self.args, self.total_steps = args, steps_per_epoch * args.epochs
+        self.base_lr = args.lr * args.batch_size / 256
+        self.warmup_steps = round(args.warmup_epochs * steps_per_epoch)
+
+    def lr_at(self, step):
+        return cosine_lr(step, self.total_steps, self.base_lr, self.warmup_steps)
+
+    def momentum_at(self, step):
+        return momentum_at(step, self.total_steps, self.args.ema_momentum, self.args.ema_schedule)
+
+    def lambda_at(self, step):
+        a = self.args
+        return scheduled(step, self.total_steps, a.lambda_, end=a.lambda_end, kind=a.lambda_schedule,
+                         warmup_steps=a.lambda_warmup_steps, warmup_start=a.lambda_warmup_start)
+
+    def at(self, step):
+        """The three at `step`, named as the progress lines and log.txt name them."""
+        return {"lr": self.lr_at(step), "momentum": self.momentum_at(step), "lambda": self.lambda_at(step)}
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     """What an epoch needs besides its number: the settings, the collaborators, where this invocation began."""
     args: argparse.Namespace
     training: Training
-    step: Step
+    step: object  # build_step's: step(views, momentum) -> (loss, finite, terms)
+    schedules: Schedules
+    lam: Lambda  # the criterion's lambda, set at each step
     batches: object  # iterating: the epoch's lists of views on the device (sce.data.pretrain_batches); wait_s
     steps_per_epoch: int
     device: torch.device
     tensorboard: object  # TensorBoard SummaryWriter on rank 0, else None
     preemption: Preemption
-    base_lr: float
     first_step: int  # the global step this invocation starts at
-    lam: Lambda
     checkpoints: Writer  # rank 0's background checkpoint writer
     split: Split  # where this invocation's wall time goes
     monitor: object = None  # the kNN monitor (sce.knn.Monitor), or None
     data: dict = None  # the dataset's identity (sce.resume.run_state)
-
-    @property
-    def total_steps(self):
-        return self.steps_per_epoch * self.args.epochs
 
 
 @dataclasses.dataclass
@@ -89,39 +186,33 @@ class Tally:
 
 def one_step(run, step, views, tally):
     """Global step `step` as main_pretrain.py runs it, and benchmarks/bench_pretrain.py times it: the lr (into the
-    optimizer), the EMA momentum and lambda (into the criterion's tensor) of the step, the step itself, its outcome
-    added to `tally`. Returns (lr, momentum, lambda)."""
-    args = run.args
-    lr = cosine_lr(step, run.total_steps, run.base_lr, round(args.warmup_epochs * run.steps_per_epoch))
-    set_lr(run.training.optimizer, lr)
-    m = momentum_at(step, run.total_steps, args.ema_momentum, args.ema_schedule)
-    lam = run.lam.at(step, run.total_steps)
-    tally.add(*timed_step(run, step, views, m))
-    return lr, m, lam
+    optimizer) and lambda (into the criterion's) of the step, the step (run.step) with the step's EMA momentum, its
+    outcome added to `tally`."""
+    s = run.schedules
+    set_lr(run.training.optimizer, s.lr_at(step))
+    run.lam.set(s.lambda_at(step))
+    tally.add(*run.step(views, s.momentum_at(step)))
 
 
 def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     """One epoch from `start_step`, `nonfinite` consecutive non-finite steps before it (a device tensor); `sums`:
     the epoch's sums before start_step (Epoch.sums of the invocation that stopped), so that its line of log.txt
     averages the whole epoch."""
-    args = run.args
-    if start_step >= run.steps_per_epoch:  # a mid-epoch checkpoint of more data (older ones do not record its size)
-        raise UserError(f"the checkpoint stopped at step {start_step} of epoch {epoch + 1}, which now has "
-                        f"{run.steps_per_epoch} step(s): resume on the data it ran on, or from an epoch-end checkpoint")
+    args, s = run.args, run.schedules
     run.training.ddp_model.train()
     tally = Tally(run.device, nonfinite, sums if start_step else None)
     window_start, window_steps, batches = time.time(), 0, run.batches
     steps_before = run.split.report()[0]["steps"]  # the epoch's steps time: its wall less compiles and captures
     for i, views in enumerate(batches, start=start_step):
         step = epoch * run.steps_per_epoch + i
-        lr, m, lam = one_step(run, step, views, tally)
+        one_step(run, step, views, tally)
         window_steps += 1
         if (i + 1) % args.print_freq == 0 or i + 1 == run.steps_per_epoch:
             if int(tally.nonfinite.item()) > args.max_nonfinite_steps:
                 raise UserError(f"{int(tally.nonfinite.item())} consecutive non-finite losses at step {step}: "
-                                f"{likely_cause(args, lr)}; the last good checkpoint is kept")
+                                f"{likely_cause(args, s.lr_at(step))}; the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            stats = dict(window_means(tally.window, window_steps, tally.names), lr=lr, momentum=m, **{"lambda": lam},
+            stats = dict(window_means(tally.window, window_steps, tally.names), **s.at(step),
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
@@ -132,36 +223,16 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
             return Epoch(i + 1, None, tally.nonfinite, tally.sums())
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
     steps_s = run.split.report()[0]["steps"] - steps_before
-    stats = dict(window_means(tally.epoch, steps, tally.names), lr=lr, momentum=m, **{"lambda": lam},
+    stats = dict(window_means(tally.epoch, steps, tally.names), **s.at(step),
                  images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
     # losses on some rank, overflowing gradients while it lowers its scale) are left to that flag
     all_skipped = stats["skipped_steps"] == steps  # on every rank alike (their averaged gradients decide)
     if all_skipped and not (run.training.scaler and du.all_reduce_sum(tally.finite_losses).item()):
         raise UserError(f"every step of epoch {epoch + 1} ({steps} steps) had a non-finite loss and was skipped, so "
-                        f"the weights did not move: {likely_cause(args, lr)}; the last good checkpoint is kept")
+                        f"the weights did not move: {likely_cause(args, stats['lr'])}; the last good checkpoint is "
+                        "kept")
     return Epoch(None, stats, tally.nonfinite)
-
-
-def timed_step(run, step, views, momentum):
-    """run.step(views, momentum); a call that compiled (or captured the CUDA graph) is compiling's time, not the
-    steps', and the first of this invocation says what it cost."""
-    graphs, logged, started, graphed = graphs_compiled(), run.split.compiles.total(), time.time(), run.step.graphed
-    out = run.step(views, momentum)
-    captured = run.step.graphed and not graphed
-    if graphs_compiled() != graphs or captured:  # the Log holds the forwards' compiles; the rest is the backward's
-        run.split.add("compiling", time.time() - started - (run.split.compiles.total() - logged))
-    if not du.is_main():
-        return out
-    if step == run.first_step and run.args.compile:
-        took, failed = f"{time.time() - started:.1f} s", run.step.compile_failed
-        print(f"=> compiling failed ({failed}): eager steps, the first took {took}" if failed
-              else f"=> the first step took {took}, compiling (each compile: {run.split.compiles.summary() or 'none'}; "
-                   "the backward's is inside the step's time)", flush=True)
-    if captured:
-        print(f"=> the step runs as a CUDA graph from step {step + 1} on (capture {run.step.capture_s:.2f} s)",
-              flush=True)
-    return out
 
 
 def window_means(sums, steps, names):
@@ -181,7 +252,7 @@ def log_progress(run, step, stats, seconds_per_step, terms):
     """The progress line (loss, lr, momentum, throughput, data wait, peak memory, ETA) and TensorBoard (`terms`: the
     names of the method's logged terms among the stats)."""
     args, (epoch, i) = run.args, divmod(step, run.steps_per_epoch)
-    eta = (run.total_steps - step - 1) * seconds_per_step
+    eta = (run.schedules.total_steps - step - 1) * seconds_per_step
     memory = ""
     if run.device.type == "cuda":
         stats["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
@@ -205,11 +276,13 @@ def end_epoch(run, done, stats):
     args, t, split = run.args, run.training, run.split
     if du.is_main():
         split.timed("epoch_ends", lambda: run.checkpoints.save(
-            run_state(t.model, t.optimizer, t.scaler, args, done, 0, done * run.steps_per_epoch, run.data, stats),
+            run_state(t.model, t.optimizer, t.scaler, args, epoch=done, step_in_epoch=0,
+                      global_step=done * run.steps_per_epoch, data=run.data, epoch_stats=stats),
             args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs, keep=args.keep_checkpoints))
     first = done - 1 == run.first_step // run.steps_per_epoch
     knn = split.timed("knn", run.monitor, t.model) if run.monitor and knn_due(args, done, first) else None
-    split.timed("epoch_ends", log_epoch, args, done, stats, knn, run.tensorboard, run.checkpoints)
+    split.timed("epoch_ends", log_epoch, args, done, stats, knn, tensorboard=run.tensorboard,
+                checkpoints=run.checkpoints)
     if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs) and du.is_main():
         estimate(run, done, stats)
     if du.is_main():  # the split so far: what a kill leaves of this invocation's
@@ -294,8 +367,9 @@ def finish(run, result, done):
     run.split.done()
     if result.stopped_at is not None:
         def save():
-            run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, done, result.stopped_at,
-                                           done * run.steps_per_epoch + result.stopped_at, run.data,
+            run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, epoch=done,
+                                           step_in_epoch=result.stopped_at,
+                                           global_step=done * run.steps_per_epoch + result.stopped_at, data=run.data,
                                            epoch_sums=result.sums), args.output_dir)
             run.checkpoints.wait()
         stop(run.preemption, run.tensorboard, f"epoch {done} step {result.stopped_at} to {args.output_dir}", save)

@@ -13,8 +13,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from sce.optim import scheduled
-
 
 def _similarities(q, k, queue):
     """(N, 1) positive and (N, M) negative cosine similarities of the queries."""
@@ -174,19 +172,13 @@ def lambda_scheduled(args):
 
 
 class Lambda:
-    """Lambda of eq. 7 through training, held here only: --lambda, or its schedule (a warmup from
-    --lambda-warmup-start, then constant or linear / cosine to --lambda-end). When it moves, `value` is a device
-    tensor the criterion reads, filled in place at each step (a CUDA graph of the step reads it too)."""
+    """Lambda of eq. 7 as the criterion reads it: --lambda, or, when it moves (--lambda-schedule,
+    --lambda-warmup-steps; sce.epoch.Schedules.lambda_at), a device tensor set in place at each step (a CUDA graph
+    of the step reads it there)."""
 
     def __init__(self, args, device=torch.device("cpu")):
-        self.args = args
         self.value = torch.tensor(args.lambda_, device=device) if lambda_scheduled(args) else args.lambda_
 
-    def at(self, step, total_steps):
-        """Lambda at `step` (for the logs), put into the criterion's tensor when it moves."""
-        a = self.args
-        lam = scheduled(step, total_steps, a.lambda_, a.lambda_end, a.lambda_schedule, a.lambda_warmup_steps,
-                        a.lambda_warmup_start)
+    def set(self, lam):
         if torch.is_tensor(self.value):
             self.value.fill_(lam)
-        return lam

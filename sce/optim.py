@@ -1,4 +1,4 @@
-"""LARS, weight-decay groups and the learning-rate schedule."""
+"""LARS, weight-decay groups, the non-finite guard's optimizer step and the schedules' shapes."""
 import math
 
 import torch
@@ -82,6 +82,33 @@ def load_optimizer_state(optimizer, state):
     for group in optimizer.param_groups:
         group["lr"] = float(group["lr"])
 
+
+# ---------------------------------------------------------------- the non-finite guard (sce.epoch.train_step)
+
+def grads_finite(optimizer):
+    """Device bool: every gradient is finite. DDP averages gradients over ranks, so a non-finite
+    loss on any rank gives every rank the same verdict."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+
+
+def step_unless_nonfinite(optimizer, finite):
+    """optimizer.step(), skipped on the device where `finite` is False: torch's fused SGD reads
+    `found_inf` (1.0 = skip) from the optimizer, where GradScaler puts it."""
+    optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+def restore_unless_finite(tensors, backup, finite):
+    """Put `backup` (the tensors flattened and concatenated) back into `tensors` unless `finite`."""
+    kept = torch.where(finite, torch.cat([t.flatten() for t in tensors]), backup)
+    torch._foreach_copy_(tensors, list(kept.split([t.numel() for t in tensors])))
+
+
+# ---------------------------------------------------------------- schedules
 
 def cosine_lr(step, total_steps, base_lr, warmup_steps=0):
     """Linear warmup from 0 to base_lr, then cosine decay to 0 (no restart)."""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from sce import UserError
 from sce import distributed as du
 from sce.checkpoint import Writer, link_atomic
-from sce.engine import GRAPH_WARMUP, CudaGraphs, Graphed, lr_as_tensors
+from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed, lr_as_tensors, usable
 from sce.optim import cosine_lr, set_lr
 from sce.preemption import Preemption
 from sce.timing import Split
@@ -37,8 +37,9 @@ class Probe:
     @classmethod
     def of(cls, args, num_samples, amp, data):
         per_rank = args.batch_size // du.world_size()
-        return cls(args.epochs, math.ceil(num_samples / per_rank), per_rank, args.lr, args.schedule,
-                   tuple(args.milestones), args.warmup_epochs, args.print_freq, amp, data)
+        return cls(epochs=args.epochs, steps=math.ceil(num_samples / per_rank), per_rank=per_rank, lr=args.lr,
+                   schedule=args.schedule, milestones=tuple(args.milestones), warmup_epochs=args.warmup_epochs,
+                   print_freq=args.print_freq, amp=amp, data=data)
 
     def lr_at(self, step):
         """The lr of global step `step`: x0.1 at each milestone epoch (step), or a linear warmup then a cosine decay
@@ -101,11 +102,11 @@ class Step:
     """The head's step on a batch: the cross-entropy of the head on the frozen trunk's features, its backward and the
     optimizer's step, with the bookkeeping on the device (no host sync): `sums`, this rank's (loss sum, images) of
     the epoch, is added to, and `first_bad` keeps (step, loss) of the epoch's first non-finite loss.
-    graphs (sce.engine.CudaGraphs, or the tests' CPU stand-in; one process without GradScaler): replayed from a CUDA
-    graph (sce.engine.Graphed) captured on the first whole batch after `warmup` eager steps: one launch where the
-    eager step makes dozens from Python (on an H200 the eager probe waited on the host: ~64,000 images/s where the
-    same trunk extracts features at ~145,000). The lr reaches the graph as a device tensor (lr_as_tensors, filled
-    by set_lr), the step's index through `index`; a batch of another size (an epoch's last) runs eagerly."""
+    graphs (sce.cuda_graph.CudaGraphs, or the tests' CPU stand-in; one process without GradScaler): replayed from a
+    CUDA graph (sce.cuda_graph.Graphed) captured on the first whole batch after `warmup` eager steps: one launch
+    where the eager step makes dozens from Python (on an H200 the eager probe waited on the host: ~64,000 images/s
+    where the same trunk extracts features at ~145,000). The lr reaches the graph as a device tensor (lr_as_tensors,
+    filled by set_lr), the step's index through `index`; a batch of another size (an epoch's last) runs eagerly."""
 
     def __init__(self, probe, model, sums, graphs=None, warmup=GRAPH_WARMUP):
         self.probe, self.model, self.sums = probe, model, sums
@@ -124,14 +125,7 @@ class Step:
         """The step on (images, target), step `i` of its epoch; returns its loss (a graph's: overwritten by the
         next step)."""
         self.index.fill_(i)
-        if self.graph is None:
-            return self._step(images, target)
-        graphed = self.graph.graphed
-        loss = self.graph(images, target)
-        if self.graph.graphed and not graphed and du.is_main():
-            print(f"=> the probe's step runs as a CUDA graph from step {i + 1} of the epoch on (capture "
-                  f"{self.graph.capture_s:.2f} s)", flush=True)
-        return loss
+        return self._step(images, target) if self.graph is None else self.graph(images, target)
 
     def _step(self, images, target):
         probe, model = self.probe, self.model
@@ -149,13 +143,8 @@ class Step:
 
 
 def graphs_for(args, device, world):
-    """The CUDA graphs of the probe's step (sce.engine.CudaGraphs), or None: --cuda-graph (default on) on one GPU
-    process without fp16's GradScaler."""
-    possible = device.type == "cuda" and world == 1 and args.amp != "fp16"
-    if args.cuda_graph and not possible and du.is_main():  # as main_pretrain.py says it
-        print("=> --cuda-graph needs one GPU process without --amp fp16 (GradScaler): the probe's step runs eagerly",
-              flush=True)
-    return CudaGraphs(device) if possible and args.cuda_graph is not False else None
+    """The CUDA graphs of the probe's step (sce.cuda_graph.CudaGraphs), or None (sce.cuda_graph.usable)."""
+    return CudaGraphs(device) if usable(args.cuda_graph, device, world, args.amp, "the probe's step") else None
 
 
 def train_one_epoch(run, epoch, start, progress):

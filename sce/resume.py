@@ -50,7 +50,7 @@ def check_ranks_agree(args):
                             "start every node with the same command and an --output-dir they all share")
 
 
-def run_state(model, optimizer, scaler, args, epoch, step_in_epoch, global_step, data=None, epoch_stats=None,
+def run_state(model, optimizer, scaler, args, *, epoch, step_in_epoch, global_step, data=None, epoch_stats=None,
               epoch_sums=None):
     """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position
     (and `data`, the dataset's num_images and data_id (sce.data.fingerprint), which a mid-epoch position

@@ -233,8 +233,8 @@ class Replay:
     def __init__(self, fail=False):
         self.fail, self.captures, self.replays = fail, 0, 0
 
-    def eager(self, fn):
-        return fn()
+    def eager(self, fn, *args):
+        return fn(*args)
 
     def capture(self, fn):
         self.captures += 1

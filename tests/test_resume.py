@@ -260,8 +260,8 @@ def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatc
     from sce.resume import resume, run_state
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer("sgd", model, 0.1, 0.0)
-    args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4, epochs=2)
-    state = run_state(model, optimizer, None, args, 1, 0, 2)
+    args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4, epochs=2, method="moco")
+    state = run_state(model, optimizer, None, args, epoch=1, step_in_epoch=0, global_step=2)
     state["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8) for _ in range(saved)]
     checkpoint.save(state, str(tmp_path))
     restored = []

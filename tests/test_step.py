@@ -1,7 +1,8 @@
-"""The training step (sce.engine): the non-finite guard undoes a step exactly (SGD and LARS, with and without
-GradScaler), the loss runs in fp32 under autocast, compiling keeps the checkpoint keys and the eager step's numbers
-and falls back to the eager step exactly, the CUDA graph gives the eager steps' numbers (on a CPU stand-in for the
-capture), and what compiles when: each module and view once, in the first step."""
+"""The training step (sce.epoch.train_step, build_step): the non-finite guard undoes a step exactly (SGD and LARS,
+with and without GradScaler), the loss runs in fp32 under autocast, compiling keeps the checkpoint keys and the eager
+step's numbers, a compile failing at the first step falls back to the eager step exactly and a later one stops with
+one line, the CUDA graph gives the eager steps' numbers (on a CPU stand-in for the capture), and what compiles when:
+each module and view once, in the first step."""
 import functools
 import json
 import re
@@ -12,9 +13,9 @@ import torch
 from conftest import Replay, assert_same_state, exit_message, fake_compile, write_imagefolder
 from sce import UserError, losses
 from sce.builder import MomentumModel
-from sce.compiling import Log, compile_module
-from sce.engine import (Step, Training, check_compile, compile_model, lr_as_tensors,
-                        resolve_compile, train_step)
+from sce.compiling import Log, check_compile, compile_model, compile_module, resolve_compile
+from sce.cuda_graph import lr_as_tensors
+from sce.epoch import Training, build_step, train_step
 from sce.optim import build_optimizer, set_lr
 
 
@@ -200,13 +201,13 @@ def test_a_failed_compile_falls_back_to_the_eager_step_exactly(monkeypatch, wher
     monkeypatch.setattr(torch.nn.Module, "compile", failing_compile(where))
     t = make_training()
     compile_model(t.model, Log())
-    step = Step(t, compiled=True)
+    step = build_step(t, compiled=True, compiles=Log())
     with pytest.warns(UserWarning) as caught:
         losses_ = [step(views(seed), 0.9)[0] for seed in range(2)]
     assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
         "--compile: torch.compile of the training step failed (Cannot find a working triton installation. Either the "
         "package is not installed or ...): running it eagerly"]
-    assert step.compile_failed.startswith("Cannot find a working triton installation") and not step.compiled
+    assert step.failed.startswith("Cannot find a working triton installation")
     assert all(torch.equal(a, b) for a, b in zip(losses_, expected))
     assert_same_state(t.model.state_dict(), eager.model.state_dict())  # weights, BN statistics, queue
     assert_same_state(*({str(i): s["momentum_buffer"] for i, s in enumerate(o.state.values())}
@@ -219,7 +220,7 @@ def test_an_error_of_the_eager_step_too_is_raised_without_the_compile_warning(re
     def criterion(q, k, queue):
         raise ValueError("not the compiler's")
     with pytest.raises(ValueError, match="not the compiler's"):
-        Step(make_training(criterion=criterion), compiled=True)(views(0), 0.9)
+        build_step(make_training(criterion=criterion), compiled=True, compiles=Log())(views(0), 0.9)
     assert not [w for w in recwarn if "--compile" in str(w.message)]
 
 
@@ -249,7 +250,7 @@ def training(lam):
                     terms=functools.partial(losses.loss_terms, tau=0.1, tau_m=0.07))
 
 
-def run_steps(step, t, lam, steps=4):
+def run_steps(step, t, lam, steps=5):
     out = []
     for i in range(steps):
         g = torch.Generator().manual_seed(i)
@@ -275,14 +276,13 @@ def test_graphed_step_gives_the_eager_steps_numbers(eager_steps, fail):
     lr_as_tensors(t.optimizer, torch.device("cpu"))
     lrs = [g["lr"] for g in t.optimizer.param_groups]
     graphs = Replay(fail)
-    step = Step(t, graphs=graphs, warmup=2)  # steps 1-2 eager, step 3 captured then replayed, step 4 replayed
+    step = build_step(t, graphs=graphs)  # steps 1-3 eager, step 4 captured then replayed, step 5 replayed
     if fail:
         with pytest.warns(UserWarning, match="CUDA graph capture of the training step failed .*running it eagerly"):
             graphed = run_steps(step, t, lam)
     else:
         graphed = run_steps(step, t, lam)
-    assert graphs.captures == 1 and (step.capture_s is None) == fail == (not step.graphed)
-    assert (step.captured_at == 3) != fail
+    assert graphs.captures == 1 and graphs.replays == (0 if fail else 2) and step.graphed != fail
     assert all(g["lr"] is lr for g, lr in zip(t.optimizer.param_groups, lrs))  # filled in place, read by the graph
     eager, state = eager_steps
     for (a, fa, ta), (b, fb, tb) in zip(eager, graphed):
@@ -326,10 +326,12 @@ def test_preloaded_recipe_compiles_each_graph_once_in_the_first_step(tmp_path, m
     main_pretrain.main(["--data", data, "--output-dir", str(tmp_path / "on"), "--epochs", "2", "--compile"]
                        + CIFAR_RECIPE + ["--knn-data", knn, "--knn-every", "2"])
     out = capsys.readouterr().out
-    # the Identity predictor has no graph; the weak and the strong view one each; then the monitor's
-    first = re.search(r"=> the first step took [\d.]+ s, compiling \(each compile: (.*); the backward", out)[1]
-    assert sorted(re.findall(r"(\w+) [\d.]+ s", first)) == ["encoder", "momentum_encoder", "momentum_projector",
-                                                             "preloaded_view", "preloaded_view", "projector"]
+    # the Identity predictor has no graph; the weak and the strong view one each; "backward" the rest of the step
+    # (the backward's compile, with a real backend); then the monitor's
+    first = re.search(r"=> the first step took [\d.]+ s, compiling \(each compile: (.*)\)\n", out)[1]
+    assert sorted(re.findall(r"(\w+) [\d.]+ s", first)) == ["backward", "encoder", "momentum_encoder",
+                                                             "momentum_projector", "preloaded_view", "preloaded_view",
+                                                             "projector"]
     assert re.search(r"=> the kNN monitor compiled the encoder: encoder [\d.]+ s\n", out)
     assert len(graphs) == 7  # nothing compiled outside them
     assert "=> data: preloaded on cpu (0 MiB); views there; step: compiled; amp none\n" in out
@@ -413,18 +415,21 @@ def test_blocks_compile_once_a_shape_and_give_the_eager_step(monkeypatch):
     assert all(torch.allclose(v, after[k], atol=1e-5) for k, v in compiled.model.state_dict().items())
 
 
-def test_a_compile_failing_in_the_warmup_leaves_the_capture_its_eager_steps():
-    """A compiled call that fails is run again eagerly: one step, counted once towards the CUDA graph's warm-up, so
-    the capture still follows `warmup` steps (not the failed call's eager retry, whose cuDNN autotuning a capture
-    would refuse)."""
+@pytest.mark.parametrize("failing", [1, 3])
+def test_a_compile_failing_at_the_first_step_falls_back_and_later_stops_in_one_line(failing):
+    """The online encoder's compile fails at training step `failing`. At the first, before any weight has moved, the
+    step runs again eagerly: one step, counted once towards the CUDA graph's warm-up, so the capture still follows
+    GRAPH_WARMUP steps (not the failed call's eager retry, whose cuDNN autotuning a capture would refuse). Later (a
+    recompile): one line naming --no-compile."""
     import torchvision
     calls, t = [], make_training()
 
-    def compile(self, *args, **kwargs):  # the online encoder's third training call fails to compile
+    def compile(self, *args, **kwargs):
         def compiled(*a, **k):
             calls.append(isinstance(self, torchvision.models.ResNet) and torch.is_grad_enabled())
-            if sum(calls) == 3:
-                raise RuntimeError("Triton Error: out of resources")
+            if calls[-1] and sum(calls) == failing:
+                raise torch._dynamo.exc.BackendCompilerFailed(compile, RuntimeError("Triton Error: out of resources"),
+                                                              None)
             return self._call_impl(*a, **k)
         self._compiled_call_impl = compiled
     real = torch.nn.Module.compile
@@ -433,12 +438,18 @@ def test_a_compile_failing_in_the_warmup_leaves_the_capture_its_eager_steps():
         compile_model(t.model, Log())
     finally:
         torch.nn.Module.compile = real
-    lr_as_tensors(t.optimizer, torch.device("cpu"))
-    graphs = Replay()
-    step = Step(t, compiled=True, graphs=graphs, warmup=3)
-    captures = []
-    with pytest.warns(UserWarning, match="torch.compile of the training step failed"):
+    graphs, captures = Replay(), []
+    step = build_step(t, compiled=True, graphs=graphs, compiles=Log())
+    if failing == 1:
+        with pytest.warns(UserWarning, match=r"torch.compile of the training step failed \(Triton Error: out of "):
+            for seed in range(5):
+                step(views(seed), 0.9)
+                captures.append(graphs.captures)
+        assert step.fn.failed == "Triton Error: out of resources" and captures == [0, 0, 0, 1, 1]  # after 3 eager
+        return
+    with pytest.raises(UserError) as err:
         for seed in range(5):
             step(views(seed), 0.9)
-            captures.append(graphs.captures)
-    assert step.compile_failed and captures == [0, 0, 0, 1, 1]  # captured at step 4, after 3 eager ones
+    assert str(err.value) == ("--compile: torch.compile of the training step failed after its first step (Triton "
+                              "Error: out of resources): run again with --no-compile (it resumes)")
+    assert sum(calls) == 3 and graphs.captures == 0

@@ -20,7 +20,7 @@ import time
 import torch
 
 from sce import UserError
-from sce.compiling import Fallback, compile_function
+from sce.compiling import Fallback, allow_recompiles, compile_function
 from sce.data import ops
 from sce.data.assembly import Preloaded, pack, unpack
 from sce.data.images import Encoded, decode_rgb_tensor, image_path, skip_unreadable
@@ -173,9 +173,7 @@ class Views:
             compiled = {fn: compile_function(fn, compiles) for fn in (finish_view, preloaded_view)}
             self.fallback = Fallback("the views", lambda fn, *a: compiled[fn](*a), lambda fn, *a: fn(*a))
             # one compile per view (size, Table 2 row): multi-crop's 6 views pass dynamo's default limit of 8
-            config = torch._dynamo.config
-            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, limit, max(getattr(config, limit), 64))
+            allow_recompiles(64)
 
     @property
     def failed(self):
