@@ -277,7 +277,7 @@ def resume_probe(args, model, source, device, train_data):
     load_optimizer_state(model.optimizer, ckpt["optimizer"])
     if ckpt.get("scaler"):
         model.scaler.load_state_dict(ckpt["scaler"])
-    epoch, step, best = ckpt["epoch"], ckpt.get("step_in_epoch", 0), ckpt.get("best_acc1", 0.0)
+    epoch, step, best = ckpt["epoch"], ckpt["step_in_epoch"], ckpt["best_acc1"]
     if step:
         check_mid_epoch(source, ckpt, args, train_data)
     if step and du.is_main():  # the epoch's sums so far, over every rank
@@ -286,7 +286,7 @@ def resume_probe(args, model, source, device, train_data):
     if du.is_main():
         print(f"=> resumed from {source} at epoch {epoch}" + (f" step {step}" if step else "")
               + f" (best Acc@1 {best:.2f})", flush=True)
-    return epoch, step, best, (ckpt.get("acc1"), ckpt.get("acc5")), sums
+    return epoch, step, best, (ckpt["acc1"], ckpt["acc5"]), sums
 
 
 def save_now(checkpoints, state, output_dir):

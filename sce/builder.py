@@ -143,8 +143,7 @@ class MomentumModel(nn.Module):
         self.shuffle_bn = shuffle_bn
         self.encoder, feat_dim = build_trunk(arch, small_input)
         self.projector = build_mlp(feat_dim, proj_hidden_dims, proj_dim, proj_last_bn)
-        # the authors' predictor has no bias on its last layer; ours keeps it, so that checkpoints
-        # with a predictor from earlier versions still load strictly
+        # the authors' predictor has no bias on its last layer; ours keeps build_mlp's (a difference from their code)
         self.predictor = (build_mlp(proj_dim, pred_hidden_dims, proj_dim) if pred_hidden_dims
                           else nn.Identity())
         for name in ("encoder", "projector", "predictor"):

@@ -50,8 +50,8 @@ class Log:
             return out
         return call
 
-    def total(self, since=0):
-        return sum(seconds for _, seconds in self.seconds[since:])
+    def total(self):
+        return sum(seconds for _, seconds in self.seconds)
 
     def summary(self, since=0):
         """'encoder 9.1 s, projector 0.4 s, ...' of the compiles noted from index `since` on, or ''."""

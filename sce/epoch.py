@@ -385,12 +385,8 @@ def finish(run, result, done):
 
 def epochs_logged(output_dir):
     """The last epoch with a line in output_dir/log.txt (0 without one), as rank 0 reads it."""
-    last = 0
-    if du.is_main() and os.path.isfile(os.path.join(output_dir, "log.txt")):
-        with open(os.path.join(output_dir, "log.txt")) as f:
-            for line in f:
-                try:
-                    last = json.loads(line)["epoch"]
-                except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-                    pass
+    path, last = os.path.join(output_dir, "log.txt"), 0
+    rows = open(path).read().splitlines() if du.is_main() and os.path.isfile(path) else []
+    if rows:  # written whole (log_epoch): a kill leaves no line cut short
+        last = json.loads(rows[-1])["epoch"]
     return du.all_gather_object(last)[0]

@@ -23,15 +23,9 @@ def mark(name):
 
 
 def lines(output_dir, but=None):
-    """The lines of OUTPUT_DIR/timing.txt, one an invocation, as dicts, but the line `but` (a line an earlier
-    version's kill cut short is skipped)."""
-    rows = []
-    for line in _text_lines(os.path.join(output_dir, "timing.txt")):
-        try:
-            rows += [json.loads(line)] if line != but else []
-        except ValueError:
-            pass
-    return rows
+    """The lines of OUTPUT_DIR/timing.txt, one an invocation, as dicts, but the line `but` (the file is written whole:
+    a kill leaves no line cut short)."""
+    return [json.loads(line) for line in _text_lines(os.path.join(output_dir, "timing.txt")) if line != but]
 
 
 def _text_lines(path):
@@ -52,9 +46,9 @@ def process_start():
 
 class Split:
     """The parts of this process's wall time. loop() marks the start of the training loop (the end of start-up), done()
-    its end; timed(name, fn) and add(name, seconds) measure parts inside it. Compiling is every compile noted in
-    `compiles` (a sce.compiling.Log) during the loop, plus what add("compiling") says the Log could not see (a
-    backward's compile, a CUDA graph's capture); a timed part leaves its compiles to it."""
+    its end; timed(name, fn) measures parts inside it. Compiling is everything noted in `compiles` (a
+    sce.compiling.Log) during the loop: each compile, the rest of a step that compiled (its backward's compile), a
+    CUDA graph's capture; a timed part leaves its compiles to it."""
 
     def __init__(self, compiles):
         self.start, self.compiles = STARTED or time.time(), compiles  # a script's process, or this run (a test's)
@@ -67,9 +61,6 @@ class Split:
     def loop(self):
         if self.loop_start is None:
             self.loop_start, self.logged_at_loop = time.time(), self.compiles.total()
-
-    def add(self, name, seconds):
-        self.seconds[name] += seconds
 
     def timed(self, name, fn, *args, **kwargs):
         """fn(*args, **kwargs), its wall time added to `name`, less what compiled in it."""
