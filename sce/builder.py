@@ -226,7 +226,10 @@ class MomentumModel(nn.Module):
         # the criterion in fp32 whatever --amp: bf16's 8-bit mantissa puts ~0.01 of error on a cosine, ~0.1 on it
         # over tau_m, before the softmax that builds SCE's target; a few small matrix products beside the trunk
         with torch.autocast(queue.device.type, enabled=False):
-            loss = sum(self.criterion(queries[v], keys[t], queue) for t, v in pairs) / len(pairs)
+            loss = 0
+            for t, v in pairs:  # a loop, not sum() of a generator: the loss one call below the forward
+                loss = loss + self.criterion(queries[v], keys[t], queue)
+            loss = loss / len(pairs)
         self.enqueue(torch.cat([keys[t] for t in targets]))
         t, v = pairs[0]
         return loss, (queries[v].detach(), keys[t], queue)
