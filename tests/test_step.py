@@ -370,8 +370,8 @@ def test_the_evaluations_compile_their_trunk_once(pretrained, tmp_path, monkeypa
 
 def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys, monkeypatch):
     """benchmarks/bench_pretrain.py times what main_pretrain.py's loop runs each step (sce.epoch.one_step: the
-    schedules, sce.engine's Step, the sums), global step after global step, and prints a JSON row a measurement:
-    on CPU, preloaded, the step and end to end beside its two reference models."""
+    schedules, sce.epoch.build_step's step, the sums), global step after global step, and prints a JSON row a
+    measurement: on CPU, preloaded, the step and end to end beside its two reference models."""
     from sce import epoch
     steps, one_step = [], epoch.one_step
     monkeypatch.setattr(epoch, "one_step", lambda run, step, *a: steps.append(step) or one_step(run, step, *a))
