@@ -95,6 +95,7 @@ def test_one_run_per_output_folder(data, pretrained, tmp_path):
         assert "\n" not in str(err.value)
         with pytest.raises(UserError, match=holder):
             probe(data, pretrained, out)
+        os.makedirs(tmp_path / "VOC2007")  # a folder: the lock is checked before its files are
         with pytest.raises(UserError, match=holder):
             main_lowshot.main(["--data", str(tmp_path / "VOC2007"), "--pretrained", pretrained,
                                "--output-dir", str(out)])
