@@ -131,12 +131,12 @@ def main(argv=None):
 def evaluate(args, source, device):
     args.compile = resolve_compile(args.compile, device)
     args.decode = data.resolve_decode(args.decode, device)
-    compiles = Log()
-    timing.mark("imports")  # the interpreter, the imports, the flags, the process group
+    split = timing.Split(Log())  # where this invocation's wall time goes (the linear probe's)
+    split.mark("imports")  # the interpreter, the imports, the flags, the process group
     frozen = load_frozen(source, args.arch, args.small_input, "online" if args.resume else args.encoder, device,
-                         compile=args.compile, compiles=compiles)
+                         compile=args.compile, compiles=split.compiles)
     args.arch, args.small_input = frozen.arch, frozen.small_input
-    timing.mark("trunk")
+    split.mark("trunk")
     named = frozen.trunk  # the trunk --pretrained names, which a resumed probe must hold
     if args.resume and args.pretrained:
         named = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)[0]
@@ -162,7 +162,7 @@ def evaluate(args, source, device):
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     if args.classifier == "linear":
-        linear(args, frozen, source, device, timing.Split(compiles))
+        linear(args, frozen, source, device, split)
     elif args.classifier == "knn":
         run_knn(args, frozen, device)
     else:
@@ -190,7 +190,7 @@ def linear(args, frozen, source, device, split):
     if args.batch_size % world:
         raise UserError(f"--batch-size {args.batch_size} is not a multiple of the {world} processes")
     train, val, num_classes = splits(args, device, augment_train=True)
-    timing.mark("data")  # listed, and preloaded where it is
+    split.mark("data")  # listed, and preloaded where it is
     head = make_head(frozen.feat_dim, num_classes, device)
     load_head(head, frozen.ckpt, source, args, num_classes)
     reference = {k: v.detach().clone() for k, v in frozen.trunk.state_dict().items()}
@@ -212,7 +212,8 @@ def linear(args, frozen, source, device, split):
     tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
     run = Run(args=args, probe=probe, model=model, train=train.batches(probe.per_rank, sampler),
               val=val.batches(probe.per_rank), device=device, preemption=Preemption(world, args.dist_timeout),
-              tensorboard=tensorboard, checkpoints=Writer(), split=split,
+              tensorboard=tensorboard, checkpoints=Writer(split.stopwatch("epoch_ends")),
+              validation=split.stopwatch("evaluation"),
               step=Step(probe, model, sums, graphs_for(args, device, world)))
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * probe.per_rank) * world)
@@ -228,7 +229,7 @@ def linear(args, frozen, source, device, split):
             start_step = 0
             if epoch == start_epoch:
                 check_frozen(frozen.trunk, reference)
-            best, acc = end_epoch(run, epoch, sums, best)
+            best, acc = end_epoch(run, epoch, sums, best, split)
             if epoch + 1 < args.epochs and run.preemption.requested():
                 stop(run.preemption, tensorboard, f"epoch {epoch + 1}", run.checkpoints.wait)
         run.checkpoints.wait()

@@ -287,8 +287,8 @@ def pretrain(args, rank, world_size, device, bn_splits):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     compiles, budget = compiling.Log(), data.Budget(device)  # the run's compiles; its share of device memory
-    split = timing.Split(compiles)
-    timing.mark("imports")  # the interpreter, the imports, the flags, the process group
+    split = timing.Split(compiles)  # where this invocation's wall time goes
+    split.mark("imports")  # the interpreter, the imports, the flags, the process group
 
     route, try_preload = data.choose_route(args.augment, args.decode, args.preload, device)
     dataset = data.build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
@@ -299,7 +299,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     sampler = data.ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
     batches = data.from_flags(args, dataset, sampler, device, route, try_preload, dtype=cli.AMP[args.amp],
                               budget=budget, compiles=compiles, preview=bool(args.preview_views))
-    timing.mark("data")  # listed, and preloaded where it is
+    split.mark("data")  # listed, and preloaded where it is
     preview = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
     if args.preview_views:  # the views of 8 images of epoch 0, as training makes them
         if rank == 0:
@@ -311,9 +311,9 @@ def pretrain(args, rank, world_size, device, bn_splits):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset), data_order=data.ORDER_VERSION)
-    monitor = knn_monitor(args, device, budget, compiles, batches, data_id["data_id"])
+    monitor = knn_monitor(args, device, budget, split, batches, data_id["data_id"])
     untrained = monitor(model)[0] if args.demo else None
-    timing.mark("model and kNN data")
+    split.mark("model and kNN data")
     schedules = Schedules(args, sampler.steps)  # the lr, EMA momentum and lambda of each step
     optimizer = build_optimizer(args.optimizer, model, schedules.base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
@@ -345,7 +345,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     if tensorboard:  # what the augmentations do, once an invocation: 8 images of epoch 0
         grid = data.views_grid(batches.views_of(preview), data.view_labels(args))
         tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
-    timing.mark("resume and TensorBoard")
+    split.mark("resume and TensorBoard")
     training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args))
     step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, compiles)
     if rank == 0:
@@ -357,7 +357,8 @@ def pretrain(args, rank, world_size, device, bn_splits):
 
     run = Run(args=args, training=training, step=step, schedules=schedules, lam=lam, batches=batches,
               steps_per_epoch=sampler.steps, device=device, tensorboard=tensorboard, preemption=preemption,
-              first_step=first_step, checkpoints=Writer(), split=split, monitor=monitor, data=data_id)
+              first_step=first_step, checkpoints=Writer(split.stopwatch("epoch_ends")), compiles=compiles,
+              monitor=monitor, data=data_id)
     nonfinite, result, done = torch.zeros((), device=device), None, start_epoch
     split.loop()
     try:
@@ -368,11 +369,12 @@ def pretrain(args, rank, world_size, device, bn_splits):
             if result.stopped_at is not None:  # a stop request mid-epoch
                 break
             done = epoch + 1
-            end_epoch(run, done, result.stats)
+            end_epoch(run, done, result.stats, split)
             if preemption.requested() or (args.stop_after_epochs and done - start_epoch >= args.stop_after_epochs):
                 break
+        split.done()
         finish(run, result, done)  # exits 75 after a stop request, the run not complete
-        top1 = split.timed("knn", monitor, model)[0] if args.demo else None
+        top1 = monitor(model)[0] if args.demo else None
     except BaseException as e:
         if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
             run.checkpoints.wait(quiet=True)
@@ -384,9 +386,10 @@ def pretrain(args, rank, world_size, device, bn_splits):
         print(f"kNN top-1: {top1:.1f}% (untrained: {untrained:.1f}%)", flush=True)
 
 
-def knn_monitor(args, device, budget, compiles, batches, data_id):
+def knn_monitor(args, device, budget, split, batches, data_id):
     """The kNN monitor on --knn-data (the demo's own), read as main_lincls.py --knn reads it, for the same number;
-    its train images are the pretraining's where those are preloaded and the same files at its size."""
+    its train images are the pretraining's where those are preloaded and the same files at its size; its runs are
+    `split`'s kNN part."""
     if not args.knn_data or not (args.knn_every or args.demo):
         return None
     size = data.eval_crop_size(None, args.small_input, vars(args), args.dataset)[0]
@@ -395,7 +398,7 @@ def knn_monitor(args, device, budget, compiles, batches, data_id):
                             decode=args.decode, workers=min(args.workers, 4), class_list=args.class_list, what="kNN ",
                             budget=budget, reuse=reuse)
     return knn.Monitor(sets, args.knn_k, args.knn_t, max_train=args.knn_max_train, seed=args.seed,
-                       compiled=args.compile, compiles=compiles)
+                       compiled=args.compile, compiles=split.compiles, stopwatch=split.stopwatch("knn"))
 
 
 if __name__ == "__main__":

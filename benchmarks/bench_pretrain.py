@@ -168,8 +168,7 @@ def build_training():
     step = epoch.build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, COMPILES)
     return training, Scheduled(epoch.Run(args=flags, training=training, step=step, schedules=schedules, lam=lam,
                                          batches=None, steps_per_epoch=100, device=device, tensorboard=None,
-                                         preemption=None, first_step=0, checkpoints=None,
-                                         split=timing.Split(COMPILES)))
+                                         preemption=None, first_step=0, checkpoints=None, compiles=COMPILES))
 
 
 class Scheduled:

@@ -19,6 +19,7 @@ import torch
 from sce import UserError, alive
 from sce.builder import build_trunk
 from sce.compiling import error_line
+from sce.timing import Stopwatch
 
 
 def save_atomic(obj, path, second=None):
@@ -132,10 +133,13 @@ class Writer:
     save() snapshots the state (on its device) and returns; at most one save is in flight (the next waits for it);
     then(fn) runs fn once everything submitted before it is on disk (an epoch's line of log.txt after its
     checkpoint). A failed write (a full disk: a UserError naming it) drops what was queued behind it and is raised
-    by the next save(), then() or wait(): at the next epoch's end, a stop, or the run's end, which all wait."""
+    by the next save(), then() or wait(): at the next epoch's end, a stop, or the run's end, which all wait.
+    stopwatch: the Stopwatch of the training thread's time in save() (the snapshot, a wait for the save before it): the
+    epoch ends' part of the time split (sce.timing.Split.stopwatch)."""
 
-    def __init__(self):
+    def __init__(self, stopwatch=None):
         self.jobs, self.error, self.stream = queue.Queue(), None, None  # stream: the copies to the host (a GPU's)
+        self.stopwatch = stopwatch or Stopwatch()
         self.thread = threading.Thread(target=self._work, daemon=True, name="checkpoint-writer")
         self.thread.start()
 
@@ -152,6 +156,9 @@ class Writer:
                 self.jobs.task_done()
 
     def save(self, state, output_dir, numbered=False, keep=0):
+        self.stopwatch.timed(self._save, state, output_dir, numbered, keep)
+
+    def _save(self, state, output_dir, numbered, keep):
         self.wait()
         if not any(t.is_cuda for t in _tensors(state)):
             copy, ready, clones = snapshot(state), None, None

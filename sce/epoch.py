@@ -18,14 +18,13 @@ from sce import UserError, write_file
 from sce import distributed as du
 from sce.builder import momentum_at
 from sce.checkpoint import Writer
-from sce.compiling import CompiledStep
+from sce.compiling import CompiledStep, Log
 from sce.cuda_graph import Graphed, lr_as_tensors
 from sce.losses import Lambda
 from sce.optim import cosine_lr, grads_finite, restore_unless_finite, scheduled, set_lr, step_unless_nonfinite
 from sce.preemption import Preemption, stop
 from sce.progress import format_eta
 from sce.resume import run_state
-from sce.timing import Split
 
 
 @dataclasses.dataclass
@@ -141,7 +140,7 @@ class Run:
     preemption: Preemption
     first_step: int  # the global step this invocation starts at
     checkpoints: Writer  # rank 0's background checkpoint writer
-    split: Split  # where this invocation's wall time goes
+    compiles: Log  # the run's compiles: an epoch's steps are its wall time less those in it
     monitor: object = None  # the kNN monitor (sce.knn.Monitor), or None
     data: dict = None  # the dataset's identity (sce.resume.run_state)
 
@@ -202,7 +201,7 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     run.training.ddp_model.train()
     tally = Tally(run.device, nonfinite, sums if start_step else None)
     window_start, window_steps, batches = time.time(), 0, run.batches
-    steps_before = run.split.report()[0]["steps"]  # the epoch's steps time: its wall less compiles and captures
+    epoch_start, compiled = time.time(), run.compiles.total()  # the epoch's steps: its wall less its compiles
     for i, views in enumerate(batches, start=start_step):
         step = epoch * run.steps_per_epoch + i
         one_step(run, step, views, tally)
@@ -222,7 +221,7 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
         if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
             return Epoch(i + 1, None, tally.nonfinite, tally.sums())
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
-    steps_s = run.split.report()[0]["steps"] - steps_before
+    steps_s = time.time() - epoch_start - (run.compiles.total() - compiled)
     stats = dict(window_means(tally.epoch, steps, tally.names), **s.at(step),
                  images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
@@ -268,25 +267,24 @@ def log_progress(run, step, stats, seconds_per_step, terms):
 
 # ---------------------------------------------------------------- the end of an epoch
 
-def end_epoch(run, done, stats):
+def end_epoch(run, done, stats, split):
     """After `done` epochs: rank 0 saves in the background (a snapshot of the state now; the next epoch trains while
     it is written), the kNN monitor runs when due, then the epoch's line of log.txt, written once the checkpoint is
     on disk. The checkpoint holds the line's statistics: a run stopped between the two completes the line when
-    rerun. Then the estimate, when due (estimate_due), and the time split so far (timing.txt)."""
-    args, t, split = run.args, run.training, run.split
+    rerun. Then the estimate, when due (estimate_due), and the time split so far (`split`'s line of timing.txt)."""
+    args, t = run.args, run.training
     if du.is_main():
-        split.timed("epoch_ends", lambda: run.checkpoints.save(
-            run_state(t.model, t.optimizer, t.scaler, args, epoch=done, step_in_epoch=0,
-                      global_step=done * run.steps_per_epoch, data=run.data, epoch_stats=stats),
-            args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs, keep=args.keep_checkpoints))
+        run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, epoch=done, step_in_epoch=0,
+                                       global_step=done * run.steps_per_epoch, data=run.data, epoch_stats=stats),
+                             args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
+                             keep=args.keep_checkpoints)
     first = done - 1 == run.first_step // run.steps_per_epoch
-    knn = split.timed("knn", run.monitor, t.model) if run.monitor and knn_due(args, done, first) else None
-    split.timed("epoch_ends", log_epoch, args, done, stats, knn, tensorboard=run.tensorboard,
-                checkpoints=run.checkpoints)
-    if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs) and du.is_main():
-        estimate(run, done, stats)
-    if du.is_main():  # the split so far: what a kill leaves of this invocation's
-        split.save(args.output_dir, epochs=[run.first_step // run.steps_per_epoch, done])
+    knn = run.monitor(t.model) if run.monitor and knn_due(args, done, first) else None
+    log_epoch(args, done, stats, knn, tensorboard=run.tensorboard, checkpoints=run.checkpoints)
+    if du.is_main():
+        if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs):
+            estimate(run, done, stats, split)
+        split.save(args.output_dir, epochs=[run.first_step // run.steps_per_epoch, done])  # what a kill leaves
 
 
 def estimate_due(done, first_step, steps_per_epoch, epochs):
@@ -327,12 +325,12 @@ def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
     du.barrier()
 
 
-def estimate(run, done, stats):
+def estimate(run, done, stats, split):
     """After the first whole epoch of this invocation (`stats` its line): what it measured, the stage's time at those
     rates (its remaining epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json
     (benchmarks/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The rest of an
     epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an epoch."""
-    args, (parts, wall), earlier = run.args, run.split.report(), run.split.earlier_wall(run.args.output_dir)
+    args, (parts, wall), earlier = run.args, split.report(), split.earlier_wall(run.args.output_dir)
     epoch_s = run.steps_per_epoch * args.batch_size / max(stats["images_per_s"], 1e-9)
     knn_s = parts["knn"]  # one run so far (after the invocation's first epoch; its compile included)
     end_s = parts["epoch_ends"] / max(1, done - run.first_step // run.steps_per_epoch)  # an epoch's end
@@ -364,7 +362,6 @@ def finish(run, result, done):
     saved, each way of stopping said, every checkpoint on disk, and exit PREEMPTED_EXIT_CODE when a stop was
     requested before the end."""
     args, t, main_rank = run.args, run.training, du.is_main()
-    run.split.done()
     if result.stopped_at is not None:
         def save():
             run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, epoch=done,

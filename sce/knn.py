@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from sce import UserError
 from sce import distributed as du
 from sce.compiling import Fallback, Log
+from sce.timing import Stopwatch
 from sce.progress import Progress
 
 
@@ -122,16 +123,21 @@ class Monitor:
     compiled, and compiles once more, in eval mode, at the first call (the last batch padded: no other shape); a
     failure there costs the monitor nothing: its calls of the encoder run eagerly from then on (sce.compiling.Fallback
     around each call, not around the collectives; the training's compiled encoder stays). Of the last call:
-    `compile_s`, `images` (how many it read)."""
+    `compile_s`, `images` (how many it read). stopwatch: the Stopwatch of its runs (the kNN's part of the time split,
+    sce.timing.Split.stopwatch), its compiles left to compiling's."""
 
-    def __init__(self, sets, k, t, max_train=None, seed=0, compiled=False, compiles=None):
+    def __init__(self, sets, k, t, max_train=None, seed=0, compiled=False, compiles=None, stopwatch=None):
         self.sets, self.k, self.t, self.max_train, self.seed, self.compiled = sets, k, t, max_train, seed, compiled
         self.compiles = compiles or Log()
+        self.stopwatch = stopwatch or Stopwatch(self.compiles)
         self.images = self.compile_s = None
         self.fallback = Fallback("the kNN monitor's encoder", lambda encoder, x: encoder(x),
                                  lambda encoder, x: encoder._call_impl(x)) if compiled else None
 
     def __call__(self, model):
+        return self.stopwatch.timed(self._run, model)
+
+    def _run(self, model):
         logged, before = self.compiles.total(), len(self.compiles.seconds)
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)

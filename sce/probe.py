@@ -17,7 +17,7 @@ from sce.checkpoint import Writer, link_atomic
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed, lr_as_tensors, usable
 from sce.optim import cosine_lr, set_lr
 from sce.preemption import Preemption
-from sce.timing import Split
+from sce.timing import Stopwatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Run:
     preemption: Preemption
     tensorboard: object  # TensorBoard SummaryWriter on rank 0, else None
     checkpoints: Writer  # rank 0's background checkpoint writer
-    split: Split  # where this invocation's wall time goes
+    validation: Stopwatch  # the validations' time (the split's evaluation part)
     step: object  # the head's step (Step)
 
 
@@ -168,14 +168,14 @@ def train_one_epoch(run, epoch, start, progress):
     return None
 
 
-def end_epoch(run, epoch, sums, best):
+def end_epoch(run, epoch, sums, best, split):
     """After epoch `epoch`: its mean loss over every rank, the validation, its line and TensorBoard, then rank 0's
     checkpoint in the background (model_best.pth a second name of it when the epoch is the best), its time split so
-    far in timing.txt. Returns the best Acc@1 and this epoch's (Acc@1, Acc@5)."""
+    far in timing.txt (`split`'s line). Returns the best Acc@1 and this epoch's (Acc@1, Acc@5)."""
     totals = du.all_reduce_sum(sums.clone())
     train_loss = (totals[0] / totals[1].clamp(min=1)).item()
     sums.zero_()
-    acc1, acc5, val_loss = run.split.timed("evaluation", validate, run.probe, run.model, run.val, run.device)
+    acc1, acc5, val_loss = run.validation.timed(validate, run.probe, run.model, run.val, run.device)
     is_best, best = acc1 > best, max(acc1, best)
     if not du.is_main():
         return best, (acc1, acc5)
@@ -188,10 +188,10 @@ def end_epoch(run, epoch, sums, best):
         run.tensorboard.flush()
     output_dir = run.args.output_dir
     last = os.path.join(output_dir, "checkpoint_last.pth")
-    run.split.timed("epoch_ends", run.checkpoints.save, state(run, epoch + 1, 0, None, best, (acc1, acc5)), output_dir)
+    run.checkpoints.save(state(run, epoch + 1, 0, None, best, (acc1, acc5)), output_dir)
     if is_best:
         run.checkpoints.then(lambda: link_atomic(last, os.path.join(output_dir, "model_best.pth")))
-    run.split.save(output_dir)  # the split so far: what a kill leaves of this invocation's
+    split.save(output_dir)  # the split so far: what a kill leaves of this invocation's
     return best, (acc1, acc5)
 
 

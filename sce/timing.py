@@ -1,8 +1,10 @@
 """Where a stage's wall time went, from the process's start: start-up (to its first training step), compiling,
 training steps, epoch ends, kNN, evaluation and exit. The parts add up to the wall time: `steps` is what the
-training loop took besides the other parts. Each run writes its split to OUTPUT_DIR/timing.txt (one JSON line an
-invocation) at each epoch's end, replacing its own line (a kill leaves the split up to its last epoch), and at its
-end, where it prints it too."""
+training loop took besides the other parts. Each part but those two is kept by what spends it: compiling by the
+run's sce.compiling.Log, the epoch ends by the checkpoint Writer, the kNN by its Monitor, the probe's evaluation
+by its validation, each through a Stopwatch the Split hands it. Each run writes its split to OUTPUT_DIR/timing.txt
+(one JSON line an invocation) at each epoch's end, replacing its own line (a kill leaves the split up to its last
+epoch), and at its end, where it prints it too."""
 import json
 import os
 import time
@@ -10,16 +12,11 @@ import time
 from sce import write_file
 
 PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]
+OWNED = ["epoch_ends", "knn", "evaluation"]  # the parts their owners time (Split.stopwatch)
 _IMPORTED = time.time()
 
 
 STARTED = None  # when this process started, once a script's entry point (sce.cli.run) says so
-MARKS = []  # (name, time) of mark(): the parts of start-up
-
-
-def mark(name):
-    """The end of a part of start-up: `name` took the time since the previous mark (or the process's start)."""
-    MARKS.append((name, time.time()))
 
 
 def lines(output_dir, but=None):
@@ -44,57 +41,79 @@ def process_start():
         return _IMPORTED
 
 
-class Split:
-    """The parts of this process's wall time. loop() marks the start of the training loop (the end of start-up), done()
-    its end; timed(name, fn) measures parts inside it. Compiling is everything noted in `compiles` (a
-    sce.compiling.Log) during the loop: each compile, the rest of a step that compiled (its backward's compile), a
-    CUDA graph's capture; a timed part leaves its compiles to it."""
+class Stopwatch:
+    """The seconds its owner spent in the calls it timed, less what compiled in them (noted in `compiles`, a
+    sce.compiling.Log: compiling's part)."""
 
-    def __init__(self, compiles):
-        self.start, self.compiles = STARTED or time.time(), compiles  # a script's process, or this run (a test's)
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-        self.loop_start = self.loop_end = None
-        self.logged_at_loop = 0.0
-        self.after_loop = 0.0  # what timed() took after the loop's end (the demo's last kNN): not exit's
-        self.written = None  # this invocation's line of timing.txt, once written
+    def __init__(self, compiles=None):
+        self.seconds, self.compiles = 0.0, compiles
 
-    def loop(self):
-        if self.loop_start is None:
-            self.loop_start, self.logged_at_loop = time.time(), self.compiles.total()
-
-    def timed(self, name, fn, *args, **kwargs):
-        """fn(*args, **kwargs), its wall time added to `name`, less what compiled in it."""
-        logged, start, after_loop = self.compiles.total(), time.time(), self.loop_end is not None
+    def timed(self, fn, *args, **kwargs):
+        logged, start = self._compiled(), time.time()
         try:
             return fn(*args, **kwargs)
         finally:
-            took = time.time() - start
-            self.seconds[name] += took - (self.compiles.total() - logged)
-            self.after_loop += took if after_loop else 0.0
+            self.seconds += time.time() - start - (self._compiled() - logged)
+
+    def _compiled(self):
+        return self.compiles.total() if self.compiles is not None else 0.0
+
+
+class Split:
+    """The parts of this process's wall time. mark(name) ends a part of start-up, loop() starts the training loop (the
+    end of start-up), done() ends it; stopwatch(part) is what the owner of an OWNED part times its calls with, of
+    which the loop's and what follows it count (before it, start-up's; after it, not exit's: the demo's last kNN). Compiling is everything noted in
+    `compiles` (a sce.compiling.Log) during the loop: each compile, the rest of a step that compiled (its
+    backward's compile), a CUDA graph's capture; an owner's stopwatch leaves its compiles to it."""
+
+    def __init__(self, compiles):
+        self.start, self.compiles = STARTED or time.time(), compiles  # a script's process, or this run (a test's)
+        self.owned = {part: Stopwatch(compiles) for part in OWNED}
+        self.marks = []  # (name, time) of mark(): the parts of start-up
+        self.loop_start = self.loop_end = None
+        self.logged_at_loop = 0.0
+        self.owned_at_loop = self.owned_at_end = None  # the owned parts' seconds at the loop's start, at its end
+        self.written = None  # this invocation's line of timing.txt, once written
+
+    def mark(self, name):
+        """The end of a part of start-up: `name` took the time since the previous mark (or the process's start)."""
+        self.marks.append((name, time.time()))
+
+    def stopwatch(self, part):
+        return self.owned[part]
+
+    def loop(self):
+        if self.loop_start is None:
+            self.loop_start, self.logged_at_loop, self.owned_at_loop = time.time(), self.compiles.total(), self._owned()
 
     def done(self):
         if self.loop_start is not None and self.loop_end is None:
-            self.loop_end = time.time()
+            self.loop_end, self.owned_at_end = time.time(), self._owned()
+
+    def _owned(self):
+        return {part: watch.seconds for part, watch in self.owned.items()}
 
     def report(self):
         """({part: seconds}, wall time so far): the parts add up to the wall time."""
         now = time.time()
-        parts, wall = dict(self.seconds), now - self.start
+        parts, wall = dict.fromkeys(PARTS, 0.0), now - self.start
         if self.loop_start is None:  # no training loop: all of it start-up
             return dict(parts, startup=wall), wall
+        parts.update({p: seconds - self.owned_at_loop[p] for p, seconds in self._owned().items()})
         end = self.loop_end or now
-        parts["compiling"] += self.compiles.total() - self.logged_at_loop
+        after_loop = sum(self.owned[p].seconds - self.owned_at_end[p] for p in OWNED) if self.loop_end else 0.0
+        parts["compiling"] = self.compiles.total() - self.logged_at_loop
         parts["startup"] = self.loop_start - self.start
-        inside = sum(parts[p] for p in PARTS if p not in ("startup", "steps", "exit")) - self.after_loop
+        inside = sum(parts[p] for p in ["compiling", *OWNED]) - after_loop
         parts["steps"] = max(0.0, end - self.loop_start - inside)
-        parts["exit"] = now - end - self.after_loop
+        parts["exit"] = now - end - after_loop
         return parts, wall
 
     def startup_parts(self):
         """{part: seconds} of start-up, from the marks between this process's start and the training loop's; the
         time after the last mark is "rest"."""
         end, parts, last = self.loop_start or time.time(), {}, self.start
-        for name, at in MARKS:
+        for name, at in self.marks:
             if self.start <= at <= end:
                 parts[name], last = parts.get(name, 0.0) + at - last, at
         return dict(parts, rest=end - last) if parts else {}
