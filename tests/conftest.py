@@ -32,6 +32,28 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+# the tests that take 10 s or more (pytest --durations), slowest first: started first, and their modules before the
+# others, no worker is left alone with one of them at the end of the run (a module's tests stay together)
+SLOW_FIRST = ["test_smoke_run_stopped_and_continued", "test_preempted_node_of_two_ranks_resumes_to_the_run_of_two_nodes",
+              "test_two_gloo_ranks_equal_one_process", "test_train_torchvision_under_torchrun_two_processes",
+              "test_two_runs_in_one_process_behave_as_two_processes", "test_hung_rank_times_out",
+              "test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates",
+              "test_preloaded_recipe_compiles_each_graph_once_in_the_first_step",
+              "test_proxies_smoke_then_read_back_and_the_time_limit", "test_rank_that_raises_stops_the_job_and_is_named",
+              "test_killed_rank_stops_the_job", "test_gpu_augment_run_lowers_the_loss", "test_nodes_that_disagree_stop",
+              "test_disk_full_keeps_previous_checkpoint", "test_a_crash_with_loader_workers_exits_at_once",
+              "test_refuses_bad_checkpoints", "test_the_evaluations_compile_their_trunk_once"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    of_test = {item: rank.get(item.originalname, len(rank)) for item in items}
+    of_module = {}
+    for item, r in of_test.items():
+        of_module[item.module] = min(r, of_module.get(item.module, r))
+    items.sort(key=lambda item: (of_module[item.module], of_test[item]))  # stable: the rest keep their order
+
+
 # main_pretrain.py's smallest useful setting: a ResNet-18 with a 32-wide head on 16 px crops, batches of 8
 TINY = ["--arch", "resnet18", "--small-input", "--crop-size", "16", "--batch-size", "8", "--queue-size", "32",
         "--workers", "0", "--proj-hidden-dims", "32", "--proj-dim", "16", "--print-freq", "1"]

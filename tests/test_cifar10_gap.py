@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, JpegImagePlugin
-from sklearn.datasets import load_sample_image
 
 from conftest import REPO, write_imagefolder
 from sce import UserError
@@ -29,6 +28,7 @@ def bench(name):
 
 def write_jpegs(root, classes, per_class, quality=95, subsampling="4:4:4"):
     """root/<class>/<i>.jpg: 32x32 pictures, each a crop of a photo scaled down (CIFAR-like content)."""
+    from sklearn.datasets import load_sample_image  # here: importing scikit-learn takes ~2 s of collection
     photo, rng = Image.fromarray(load_sample_image("china.jpg")), np.random.default_rng(0)
     for name in classes:
         os.makedirs(os.path.join(root, name))

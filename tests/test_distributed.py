@@ -16,12 +16,11 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, assert_same_state, assert_trained, load, run_script, write_imagefolder
+from conftest import REPO, TINY, assert_same_state, assert_trained, exit_message, load, write_imagefolder
 import main_lincls
 import main_pretrain
 from sce import data as sce_data
@@ -143,13 +142,15 @@ def jobs():
 def test_two_gloo_ranks_equal_one_process(small, tmp_path):
     """tests/dist_equivalence.py on two ranks and in one process standing for them; the two ranks then run
     tests/sync_bn_check.py's checks of MomentumModel(sync_bn=True)."""
-    # both at once: the single process overlaps torchrun's start-up and rendezvous
-    with ThreadPoolExecutor(1) as pool:  # the single process splits BN in 2 chunks
-        single = pool.submit(run_script, ["tests/dist_equivalence.py", small, str(tmp_path / "one.pth")])
-        proc = run_script(["torchrun", "--nproc_per_node=2", "tests/dist_equivalence.py", small,
-                           str(tmp_path / "two.pth")])
-        single.result()
-    assert "sync-bn check ok" in proc.stdout
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                 "tests/dist_equivalence.py", small, str(tmp_path / "two.pth")], cwd=REPO, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:  # the one process (it splits BN in 2 chunks) here, while torchrun starts: a torch import saved
+        assert exit_message("tests/dist_equivalence.py", small, tmp_path / "one.pth") is None
+    finally:
+        torch.set_default_dtype(torch.float32)  # the script trains in float64
+    output, _ = torchrun.communicate(timeout=300)
+    assert torchrun.returncode == 0 and "sync-bn check ok" in output, output[-3000:]
     two, one = load(tmp_path / "two.pth"), load(tmp_path / "one.pth")
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-6)  # float64 (dist_equivalence.py)
     weights, queue = one["model"], one["model"]["queue"]

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torchvision.transforms as T
 from PIL import Image
-from sklearn.datasets import load_sample_image
 from torchvision.transforms.v2 import functional as TF
 
 from sce.data import ops, views
@@ -35,6 +34,7 @@ PIXEL = 1 / 255
 
 @pytest.fixture(scope="module")
 def photo():
+    from sklearn.datasets import load_sample_image  # here: importing scikit-learn takes ~2 s of collection
     return Image.fromarray(load_sample_image("china.jpg")).resize((120, 90))
 
 
