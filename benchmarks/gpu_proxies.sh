@@ -17,6 +17,7 @@ set -u
 START=$SECONDS
 LIMIT=${1:?usage: bash benchmarks/gpu_proxies.sh LIMIT_S [OUT]}
 [[ $LIMIT =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got $LIMIT)" >&2; exit 2; }
+LIMIT=$(( 10#$LIMIT ))
 DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
 cd "$(dirname "$0")/.."
 mkdir -p "$DEST"
@@ -31,7 +32,8 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     kill "$sampler" 2>/dev/null
     exec "$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --dry-run ${variants[@]+"${variants[@]}"}
 fi
-"$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --time-limit $(( LIMIT - (SECONDS - START) )) \
+left=$(( LIMIT - (SECONDS - START) ))  # the unpack counted; spent, 1 s (0 would be proxies.py's "no limit")
+"$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --time-limit $(( left > 0 ? left : 1 )) \
     ${variants[@]+"${variants[@]}"} 2>&1 | tee -a "$DEST/proxies.txt"
 code=${PIPESTATUS[0]}
 kill "$sampler" 2>/dev/null
