@@ -10,9 +10,9 @@
 #                                                   copy has no .git)
 # LIMIT_S counts from this script's start (the unpack included): no variant starts that the median of those
 # finished would not fit in, the running one is asked to save and stop at the limit, killed 30 s later; give the
-# command LIMIT_S + 60 s. The variants share the compile caches of runs/compile_cache (TORCHINDUCTOR_CACHE_DIR,
-# TRITON_CACHE_DIR). The data: data/cifar10/{train,val}, or unpacked here from data/cifar10-jpeg.tar.gz (carry that
-# file alone, 20 MB); the re-encoded copies are made here (runs/proxies/data-qN).
+# command LIMIT_S + 60 s. The variants share proxies.py's compile caches (runs/proxies/compile_cache). The data:
+# data/cifar10/{train,val}, or unpacked here from data/cifar10-jpeg.tar.gz (carry that file alone, 20 MB); the
+# re-encoded copies are made here (runs/proxies/data-qN).
 set -u
 START=$SECONDS
 LIMIT=${1:?usage: bash benchmarks/gpu_proxies.sh LIMIT_S [OUT]}
@@ -22,8 +22,7 @@ DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
 cd "$(dirname "$0")/.."
 mkdir -p "$DEST"
 PYTHON=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/runs/compile_cache/inductor} \
-    TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/runs/compile_cache/triton}
+export PYTHONUNBUFFERED=1
 variants=(); [ -n "${VARIANTS:-}" ] && read -r -a variants <<< "--variants $VARIANTS"
 # shellcheck source=benchmarks/gpu_machine.sh
 source benchmarks/gpu_machine.sh
