@@ -54,12 +54,21 @@ done > "$DEST/runs.txt"
 # the trunk of the first finished method (fp32, ~45 MB for a ResNet-18) in three parts of at most 15 MiB, for the
 # analyses a CPU can do with it (features without augmentation, the probe's optimiser against the convex optimum):
 #   cat trunk.pth.part-* > trunk.pth
+# only where the parts fit in the 8 files beside what OUT holds (a caller's own file there would push one out)
 for method in $METHODS; do
     ckpt=$RUNS/$method/checkpoint_last.pth
     [ -f "$RUNS/$method/linear/results_linear.json" ] && [ -f "$ckpt" ] || continue
+    rm -rf "$RUNS/trunk_parts" && mkdir -p "$RUNS/trunk_parts"
     "$PYTHON" -c "import sys, torch; from sce.checkpoint import load, trunk_state_dict
 torch.save(trunk_state_dict(load(sys.argv[1])), sys.argv[2])" "$ckpt" "$RUNS/trunk_$method.pth" \
-        && split -b 15M "$RUNS/trunk_$method.pth" "$DEST/trunk_$method.pth.part-"
+        && split -b 15M "$RUNS/trunk_$method.pth" "$RUNS/trunk_parts/trunk_$method.pth.part-" || break
+    held=$(find "$DEST" -maxdepth 1 -type f | wc -l) parts=$(find "$RUNS/trunk_parts" -type f | wc -l)
+    if (( held + parts <= 8 )); then
+        mv "$RUNS"/trunk_parts/* "$DEST/"
+    else
+        echo "=> $RUNS/trunk_$method.pth not copied: its $parts parts and the $held files in OUT pass the 8 the" \
+            "device tool brings back" | tee -a "$DEST/reproduce.txt"
+    fi
     break
 done
 echo "exit $code" | tee -a "$DEST/reproduce.txt"
