@@ -117,18 +117,18 @@ class CompiledStep:
     def _first(self, *args):
         buffers = [b.clone() for b in self.model.buffers()]
         rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+        def undo():
+            torch._foreach_copy_(list(self.model.buffers()), buffers)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state_all(rng[1])
+            revert_to_eager(self.model)
+        fallback = Fallback(self.what, self.step, self.step, undo)  # modules eager after undo(): the same call
         try:
-            return self.step(*args)
-        except Exception as e:  # noqa: BLE001: whatever stopped the compiled call, the eager one decides
-            self.failed = error_line(e)
-        torch._foreach_copy_(list(self.model.buffers()), buffers)
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state_all(rng[1])
-        revert_to_eager(self.model)
-        out = self.step(*args)
-        warnings.warn(f"--compile: torch.compile of {self.what} failed ({self.failed}): running it eagerly")
-        return out
+            return fallback(*args)
+        finally:
+            self.failed = fallback.failed
 
 
 def compiler_error(e):
