@@ -1,4 +1,5 @@
 """Similarity Contrastive Estimation (SCE) and its baselines MoCo v2 and ReSSL."""
+import glob
 import os
 import signal
 
@@ -29,10 +30,25 @@ def stop_while_importing(script):
             signal.signal(sig, stop)
 
 
+def temporary(path):
+    """The temporary file a write of `path` goes through before its rename (hidden, beside it, named after this
+    process), once those of writers killed mid-write (SIGKILL, the out-of-memory killer) are removed: a checkpoint's
+    would fill the disk. A live process's is its write in progress."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for stale in glob.glob(os.path.join(folder, f".{glob.escape(name)}.tmp*")):
+        pid = stale.rsplit(".tmp", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or not alive(int(pid)):
+            try:
+                os.remove(stale)
+            except OSError:
+                pass
+    return os.path.join(folder, f".{name}.tmp{os.getpid()}")
+
+
 def write_file(path, text):
-    """`text` into a temporary file beside `path`, renamed over it: a kill never leaves half a file, and a failed
-    write (a full disk) leaves the previous one whole, removes its temporary file and raises its OSError."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """`text` into a temporary file beside `path` (temporary), renamed over it: a kill never leaves half a file, and
+    a failed write (a full disk) leaves the previous one whole, removes its temporary file and raises its OSError."""
+    tmp = temporary(path)
     try:
         with open(tmp, "w") as f:
             f.write(text)

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from sce import UserError, alive
+from sce import UserError, temporary
 from sce.builder import build_trunk
 from sce.compiling import error_line
 from sce.timing import Stopwatch
@@ -40,17 +40,7 @@ def write_atomic(path, write, second=None):
     """write(f) into a temporary file beside `path`, fsync, then rename over `path`. `second`: a second name of the new
     file (link_atomic), made before the rename: a kill between the two leaves the new file under `second` and the
     previous one under `path`, never `path` replaced without its second name; a failure leaves neither changed."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    # temp files of writers killed mid-write (SIGKILL, OOM): each is a full checkpoint, they would fill the disk;
-    # a live process's is its write in progress
-    for stale in glob.glob(os.path.join(folder, f".{glob.escape(os.path.basename(path))}.tmp*")):
-        pid = stale.rsplit(".tmp", 1)[1]
-        if not pid.isdigit() or int(pid) == os.getpid() or not alive(int(pid)):
-            try:
-                os.remove(stale)
-            except OSError:
-                pass
+    folder, tmp = os.path.dirname(os.path.abspath(path)), temporary(path)
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -45,6 +45,7 @@ def probed(data, pretrained, tmp_path_factory):
     os.makedirs(out)
     (out / f".checkpoint_last.pth.tmp{os.getppid()}").write_bytes(b"a write in progress")
     (out / f".checkpoint_last.pth.tmp{2 ** 30}").write_bytes(b"left by a writer killed mid-write")
+    (out / f".timing.txt.tmp{2 ** 30}").write_text("left by a writer killed mid-write")  # sce.write_file's too
     probe(data, pretrained, out)
     return out
 
@@ -62,6 +63,7 @@ def test_a_finished_probe_run_again_keeps_its_result(data, pretrained, probed, t
     assert load(out / "checkpoint_last.pth")["epoch"] == 1
     # the live writer's temporary file is left alone, the dead writer's is gone
     assert sorted(p.name for p in out.glob(".checkpoint_last.pth.tmp*")) == [f".checkpoint_last.pth.tmp{os.getppid()}"]
+    assert not list(out.glob(".timing.txt.tmp*"))
 
 
 def test_a_probe_refuses_another_trunk_other_data_or_a_fresh_start(data, pretrained, probed, tmp_path):
