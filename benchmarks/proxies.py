@@ -16,7 +16,7 @@ the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the last epoch
   wall times would not fit in what is left, and the running one is asked to save and stop (SIGTERM) at the
   limit. Exit 75 when variants are left (run the same command again), 1 when one failed, else 0.
 - jpeg-qN (any N): the data (train and val) re-encoded once more at quality N (benchmarks/reencode.py) into
-  OUT/data-qN, once.
+  OUT/data-qN, once; an ImageFolder's only (official files are refused before anything runs).
 - --smoke: reproduce.sh's SMOKE setting (a small ImageFolder written from --data, 16 px crops, a tiny head, on
   CPU), 1 epoch by default: checks the script, not the numbers.
 Prints a JSON line a variant (as each ends, or read back), then a table, also in OUT/results.md and results.json.
@@ -244,6 +244,11 @@ def main(argv=None):
     out, settings = os.path.abspath(args.out), dict(data=os.path.realpath(args.data), epochs=epochs, smoke=args.smoke)
     lock = hold(out, settings)  # noqa: F841  (held until this process ends)
     commands, root = row_commands(args.data, out, args.smoke)
+    fmt = commands["sce"][commands["sce"].index("--dataset") + 1]
+    jpeg = [name for name in args.variants if JPEG.match(name)]
+    if jpeg and fmt != "imagefolder":  # here, not after the variants before it have run
+        raise UserError(f"{jpeg[0]} re-encodes image files, and {args.data} holds {fmt}'s official files: pass "
+                        "train/ and val/ class folders of images (an ImageFolder), or leave the jpeg-qN variants out")
     if args.dry_run:
         for name in args.variants:
             print(f"=== {name}: {shlex.join(command(name, commands, out, epochs))}", flush=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, JpegImagePlugin
 
-from conftest import REPO, write_imagefolder
+from conftest import REPO, write_cifar, write_imagefolder
 from sce import UserError
 
 CIFAR10 = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -148,3 +148,16 @@ def test_proxies_smoke_then_read_back_and_the_time_limit(tmp_path):
         said = proxies("--data", data, "--out", out, "--smoke", *bad)
         assert said.returncode == 1 and said.stderr.startswith("error: ") and message in said.stderr
         assert len(said.stderr.strip().splitlines()) == 1
+
+
+def test_proxies_refuse_jpeg_variants_of_official_files_before_running(tmp_path):
+    """jpeg-qN re-encodes image files: on CIFAR-10's official batches it is one line before any variant runs
+    (--dry-run as well); without it, the same data's commands read the batches. (--smoke trains on an ImageFolder
+    written from them, where jpeg-qN works.)"""
+    write_cifar(str(tmp_path / "data"))
+    said = proxies("--data", tmp_path / "data", "--out", tmp_path / "out", "--dry-run", "--variants", "default",
+                   "jpeg-q50")
+    assert said.returncode == 1 and said.stderr.startswith("error: jpeg-q50 re-encodes image files"), said.stderr
+    assert len(said.stderr.strip().splitlines()) == 1 and "=== " not in said.stdout
+    said = proxies("--data", tmp_path / "data", "--out", tmp_path / "out2", "--dry-run", "--variants", "default")
+    assert said.returncode == 0 and "--dataset cifar10" in said.stdout, said.stderr
