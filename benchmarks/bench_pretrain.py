@@ -34,7 +34,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_common import count_host_syncs, environment, no_compile_since, sync, time_calls  # noqa: E402
 from photos import write_photos  # noqa: E402
-from sce import cli, compiling, data, epoch, losses, timing  # noqa: E402
+import main_pretrain  # noqa: E402
+from sce import cli, compiling, data, epoch, losses  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import CompiledStep, compile_model, compile_module  # noqa: E402
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed  # noqa: E402
@@ -142,25 +143,22 @@ def make_batches(dataset, augment, batches, workers=None, compile=None):
 
 
 def build_training():
-    """(Training, step function) as main_pretrain.py builds them (sce.builder.build_model and sce.losses.criterion
-    of main_pretrain.py's defaults for the method: SCE, tau 0.1, tau_m 0.07, lambda 0.5; --lr 0.5 scaled by the
-    batch, its warmup and cosine; the EMA's cosine from 0.996): step(views, _) runs sce.epoch.one_step, what
-    main_pretrain.py runs each step (the schedules, train_step or its CUDA graph, the device-side sums)."""
+    """(Training, step function) as main_pretrain.py builds them (sce.builder.build_model, sce.losses.criterion and
+    the optimizer of main_pretrain.py's defaults: SCE at its temperatures and lambda, --lr scaled by the batch, its
+    warmup and cosine, the EMA's schedule), with this benchmark's model and step flags: step(views, _) runs
+    sce.epoch.one_step, what main_pretrain.py runs each step (the schedules, train_step or its CUDA graph, the
+    device-side sums)."""
     torch.manual_seed(0)
     queue = args.queue_size - args.queue_size % (args.batch_size * (2 if args.symmetric else 1))
-    sce, own = losses.METHODS["sce"], argparse.ArgumentParser()  # its own flags' defaults, as main_pretrain.py's
-    for flag, kwargs in sce.flags:
-        own.add_argument(flag, **kwargs)
-    flags = argparse.Namespace(**vars(args), **vars(own.parse_args([])), method="sce", tau=sce.tau, tau_m=sce.tau_m,
-                               pred_hidden_dims=[], lr=0.5, warmup_epochs=5, ema_momentum=0.996,
-                               ema_schedule="cosine", epochs=200)
-    flags.queue_size = queue
+    flags = main_pretrain.parse_args(["--data", "unread"])  # its defaults: the method's, the lr's, the EMA's
+    vars(flags).update(vars(args), queue_size=queue)  # the model's shape and the step's settings: this benchmark's
     lam = losses.Lambda(flags, device)
     model = build_model(flags, losses.criterion(flags, lam), args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     schedules = epoch.Schedules(flags, 100)  # 100 steps an epoch: any number does
-    optimizer = build_optimizer("sgd", model, schedules.base_lr, 1e-4)
+    optimizer = build_optimizer(flags.optimizer, model, schedules.base_lr, flags.weight_decay, flags.sgd_momentum,
+                                flags.wd_exclude_bias_norm)
     if args.compile:
         compile_model(model, COMPILES, blocks=args.compile_blocks)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
