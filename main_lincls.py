@@ -218,6 +218,7 @@ def linear(args, frozen, source, device, split):
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * probe.per_rank) * world)
     split.loop()
+    done = start_epoch  # the epochs this invocation completed end there
     try:
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch, start_step * probe.per_rank)
@@ -229,7 +230,10 @@ def linear(args, frozen, source, device, split):
             start_step = 0
             if epoch == start_epoch:
                 check_frozen(frozen.trunk, reference)
-            best, acc = end_epoch(run, epoch, sums, best, split)
+            best, acc = end_epoch(run, epoch, sums, best)
+            done = epoch + 1
+            if du.is_main():  # the split so far: what a kill leaves of this invocation's
+                split.save(args.output_dir, epochs=[start_epoch, done])
             if epoch + 1 < args.epochs and run.preemption.requested():
                 stop(run.preemption, tensorboard, f"epoch {epoch + 1}", run.checkpoints.wait)
         run.checkpoints.wait()
@@ -240,7 +244,7 @@ def linear(args, frozen, source, device, split):
     finally:  # however the loop ended: complete, stopped (exit 75) or failed
         split.done()
         if du.is_main():
-            timed = split.write(args.output_dir, epochs=[start_epoch, args.epochs])
+            timed = split.write(args.output_dir, epochs=[start_epoch, done])
     if tensorboard:
         tensorboard.close()
     if du.is_main():

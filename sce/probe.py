@@ -168,10 +168,10 @@ def train_one_epoch(run, epoch, start, progress):
     return None
 
 
-def end_epoch(run, epoch, sums, best, split):
+def end_epoch(run, epoch, sums, best):
     """After epoch `epoch`: its mean loss over every rank, the validation, its line and TensorBoard, then rank 0's
-    checkpoint in the background (model_best.pth a second name of it when the epoch is the best), its time split so
-    far in timing.txt (`split`'s line). Returns the best Acc@1 and this epoch's (Acc@1, Acc@5)."""
+    checkpoint in the background (model_best.pth a second name of it when the epoch is the best). Returns the best
+    Acc@1 and this epoch's (Acc@1, Acc@5)."""
     totals = du.all_reduce_sum(sums.clone())
     train_loss = (totals[0] / totals[1].clamp(min=1)).item()
     sums.zero_()
@@ -191,7 +191,6 @@ def end_epoch(run, epoch, sums, best, split):
     run.checkpoints.save(state(run, epoch + 1, 0, None, best, (acc1, acc5)), output_dir)
     if is_best:
         run.checkpoints.then(lambda: link_atomic(last, os.path.join(output_dir, "model_best.pth")))
-    split.save(output_dir)  # the split so far: what a kill leaves of this invocation's
     return best, (acc1, acc5)
 
 

@@ -168,3 +168,5 @@ def test_the_probe_saves_on_a_stop_signal_and_resumes_exactly(data, pretrained, 
     assert torch.equal(a["model"]["fc.weight"], b["model"]["fc.weight"]) and a["acc1"] == b["acc1"]
     assert {k: v for k, v in results(tmp_path / "run").items() if k != "timing"} == \
         {k: v for k, v in results(tmp_path / "ref").items() if k != "timing"}
+    # timing.txt: a line an invocation, the epochs it completed (the stopped one's, not the run's)
+    assert [json.loads(line)["epochs"] for line in open(tmp_path / "run" / "timing.txt")] == [[0, 1], [1, 2]]
