@@ -26,6 +26,8 @@ from sce.probe import (Head, Probe, Run, Step, check_frozen, check_resume, end_e
 from sce.progress import Progress
 from sce.resume import check_mid_epoch
 
+FEATURES_BATCH = 256  # the frozen trunk's batches where it only extracts features (kNN, logistic regression)
+
 
 def get_parser():
     p = cli.make_parser(__doc__)
@@ -150,10 +152,11 @@ def evaluate(args, source, device):
     args.crop_size, why, warning = data.eval_crop_size(args.crop_size, args.small_input, frozen.ckpt.get("args"),
                                                        args.dataset)
     probe = args.classifier == "linear"
-    batch = args.batch_size // du.world_size() if probe else 256  # else the features' batches
-    cli.check_memory(device, {f"{'--batch-size ' if probe else 'batches of '}{batch} images of {args.crop_size} px "
-                              "(--crop-size): their pixels in float32": (batch * 3 * args.crop_size ** 2 * 4,
-                                                                         "lower --batch-size or --crop-size")})
+    batch = args.batch_size // du.world_size() if probe else FEATURES_BATCH  # a process's
+    what = (f"--batch-size {args.batch_size}" + (f" ({batch} a process)" if batch != args.batch_size else "")
+            if probe else f"batches of {batch}")
+    cli.check_memory(device, {f"{what} images of {args.crop_size} px (--crop-size): their pixels in float32":
+                              (batch * 3 * args.crop_size ** 2 * 4, "lower --batch-size or --crop-size")})
     if du.is_main():
         print(f"=> {frozen.describe()} from {source}; input {args.crop_size} px ({why})", flush=True)
         if warning:
@@ -311,7 +314,7 @@ def one_process():
 
 def features(args, frozen, split, name, source):
     """Cached trunk features of one split (not normalised), and its labels."""
-    x = split_features(frozen, split, name, args.output_dir, checkpoint=source, batch_size=256,
+    x = split_features(frozen, split, name, args.output_dir, checkpoint=source, batch_size=FEATURES_BATCH,
                        amp_dtype=cli.AMP[args.amp], encoder=args.encoder, arch=args.arch, small_input=args.small_input,
                        dataset=args.dataset, data=os.path.abspath(args.data))
     return x, np.asarray(split.targets)
@@ -325,7 +328,7 @@ def run_knn(args, frozen, device):
     bank, queries, num_classes = splits(args, device, augment_train=False)
     with cli.autocast(device, args.amp):
         top1, top5 = knn_accuracy(frozen.trunk, bank, queries, num_classes, args.knn_k, args.knn_t,
-                                  pad=frozen.compiled)
+                                  batch_size=FEATURES_BATCH, pad=frozen.compiled)
     if du.is_main():
         print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
               f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)
