@@ -30,14 +30,15 @@ def build_trunk(arch, small_input=False):
     return trunk, feat_dim
 
 
-def build_mlp(in_dim, hidden_dims, out_dim, last_bn="none"):
+def build_mlp(in_dim, hidden_dims, out_dim, last_bn="none", last_bias=True):
     """Linear-BN-ReLU for each hidden layer, then Linear (+ BN when last_bn is 'affine' or
-    'no-affine'; MoCo v3's projector uses an affine-free last BN)."""
+    'no-affine'; MoCo v3's projector uses an affine-free last BN). The last Linear has a bias only without
+    a BN after it, and when last_bias."""
     layers, dim = [], in_dim
     for hidden in hidden_dims:
         layers += [nn.Linear(dim, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True)]
         dim = hidden
-    layers.append(nn.Linear(dim, out_dim, bias=last_bn == "none"))
+    layers.append(nn.Linear(dim, out_dim, bias=last_bias and last_bn == "none"))
     if last_bn != "none":
         layers.append(nn.BatchNorm1d(out_dim, affine=last_bn == "affine"))
     return nn.Sequential(*layers)
@@ -143,8 +144,8 @@ class MomentumModel(nn.Module):
         self.shuffle_bn = shuffle_bn
         self.encoder, feat_dim = build_trunk(arch, small_input)
         self.projector = build_mlp(feat_dim, proj_hidden_dims, proj_dim, proj_last_bn)
-        # the authors' predictor has no bias on its last layer; ours keeps build_mlp's (a difference from their code)
-        self.predictor = (build_mlp(proj_dim, pred_hidden_dims, proj_dim) if pred_hidden_dims
+        # MoCo v3's predictor, as the authors': no bias on its last layer
+        self.predictor = (build_mlp(proj_dim, pred_hidden_dims, proj_dim, last_bias=False) if pred_hidden_dims
                           else nn.Identity())
         for name in ("encoder", "projector", "predictor"):
             if sync_bn:

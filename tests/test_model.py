@@ -117,6 +117,7 @@ def test_heads_and_trunk_options():
         build_trunk("vit_b_16")
     pred = small_model(pred_hidden_dims=[64]).predictor
     assert isinstance(pred, nn.Sequential) and pred[0].in_features == 16 and pred[-1].out_features == 16
+    assert pred[-1].bias is None  # MoCo v3's predictor, as the authors'
 
 
 def test_shuffle_bn_unshuffles_keys():
