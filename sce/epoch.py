@@ -91,7 +91,7 @@ def build_step(training, compiled=False, graphs=None, compiles=None):
     (sce.losses.Lambda). compiles: the run's compiling.Log, where compiles and a capture are noted."""
     step = functools.partial(train_step, training)
     if compiled:
-        step = CompiledStep(step, training.model, compiles)
+        step = CompiledStep(step, training.model, compiles if compiles is not None else Log())
     if graphs:
         lr_as_tensors(training.optimizer, next(training.model.parameters()).device)
         training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs)
