@@ -152,8 +152,8 @@ else
 fi
 
 # stage NAME CMD...: CMD's output to OUT/NAME.log (shown here too), its wall time (ms) added to OUT/times; at
-# the deadline (+ GRACE s), SIGTERM (ours saves and stops; theirs, which should have stopped at an epoch's end
-# before, loses the epoch it is in)
+# the deadline, SIGTERM (ours saves and stops; theirs, which should have stopped at an epoch's end 60 s before,
+# loses the epoch it is in), SIGKILL 30 s later: within the 40 s the device call leaves after LIMIT_S
 stage() {
     local name=$1 start code
     shift
@@ -164,7 +164,7 @@ stage() {
         local left=$(( DEADLINE - $(date +%s) ))
         (( left > 0 )) || {
             echo "=> the limit of $LIMIT_S s is spent: run the same command again to go on" >&2; exit 75; }
-        timeout -s TERM -k 30 "$(( left + ${GRACE:-0} ))" "$@" > >(tee -a "$OUT/$name.log") 2>&1 && code=0 || code=$?
+        timeout -s TERM -k 30 "$left" "$@" > >(tee -a "$OUT/$name.log") 2>&1 && code=0 || code=$?
     else
         "$@" > >(tee -a "$OUT/$name.log") 2>&1 && code=0 || code=$?
     fi
@@ -186,7 +186,7 @@ for run in $ORDER; do
                 "$OUT/authors_site" "$AUTHORS_WHEELS"/*.whl && touch "$OUT/authors_site/.installed"
         fi
         last="$OUT/authors/pretrain_checkpoints/epoch=$(( EPOCHS - 1 )).ckpt"
-        [ -f "$last" ] || GRACE=60 stage authors_pretrain ${site[@]+"${site[@]}"} "${authors[@]}"
+        [ -f "$last" ] || stage authors_pretrain ${site[@]+"${site[@]}"} "${authors[@]}"
         if [ ! -f "$last" ] && [ "${DRY_RUN:-0}" != 1 ]; then
             echo "=> authors_pretrain stopped before epoch $EPOCHS: run the same command again to go on" >&2; exit 75
         fi
