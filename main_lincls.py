@@ -15,7 +15,7 @@ import torch
 
 from sce import UserError, cli, data, outdir, timing, transfer
 from sce import distributed as du
-from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs
+from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs, require
 from sce.compiling import Log, resolve_compile
 from sce.frozen import load_frozen, split_features
 from sce.knn import knn_accuracy
@@ -282,6 +282,7 @@ def resume_probe(args, model, source, device, train_data):
     if not args.resume:
         return 0, 0, -1.0, (None, None), sums  # the first evaluated epoch is always the best so far
     ckpt = model.trunk.ckpt
+    require(source, ckpt, ("args", "optimizer", "epoch", "step_in_epoch", "epoch_sums", "best_acc1", "acc1", "acc5"))
     load_optimizer_state(model.optimizer, ckpt["optimizer"])
     if ckpt.get("scaler"):
         model.scaler.load_state_dict(ckpt["scaler"])

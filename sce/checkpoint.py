@@ -76,6 +76,16 @@ def refuse_fewer_epochs(path, epoch, step_in_epoch, epochs):
                         "to continue it, or another --output-dir to start afresh")
 
 
+def require(path, ckpt, keys):
+    """The keys a resume reads, one line naming those `ckpt` lacks (a file of another version), not a KeyError;
+    a mid-epoch position also needs the data it was on (num_images, data_id)."""
+    keys = list(keys) + (["num_images", "data_id"] if ckpt.get("step_in_epoch") else [])
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}: it was written by another version; resume it with that "
+                        "version, or start afresh in another --output-dir")
+
+
 def save(state, output_dir, numbered=False, keep=0):
     """checkpoint_last.pth, plus checkpoint_NNNN.pth (NNNN = completed epochs) when `numbered`, a second name of
     the same file made before checkpoint_last.pth is replaced (no kill loses it); keep > 0 keeps only the newest

@@ -112,6 +112,8 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     ckpt = checkpoint.load(path)
     if ckpt.get("kind") != "pretrain":
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
+    checkpoint.require(path, ckpt, ("args", "model", "optimizer", "rng", "epoch", "step_in_epoch", "epoch_stats",
+                                    "epoch_sums"))
     saved, now = ckpt["args"], vars(args)
     for key in RESUME_MUST_MATCH + list(METHODS[args.method].resume):
         was, is_now = effective(saved, key), effective(now, key)

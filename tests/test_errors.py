@@ -111,6 +111,12 @@ def test_a_file_that_is_no_checkpoint(tmp_path):
     sentences = "The first sentence says what failed. A second one says more. " * 2
     assert error_line(RuntimeError(sentences + "x" * 100)) == sentences.strip()  # cut after a sentence
     assert error_line(RuntimeError("a clause, " * 30)) == "a clause, " * 18 + "a clause..."  # else after a clause
+    # a checkpoint of ours lacking what a resume reads (another version's): the keys named, no KeyError
+    torch.save({"kind": "pretrain", "args": {}, "step_in_epoch": 1}, tmp_path / "older.pth")
+    message = one_line(main_pretrain.main, ["--data", data, "--resume", str(tmp_path / "older.pth"), "--output-dir",
+                                            str(tmp_path / "p")] + TINY + ["--batch-size", "4"],
+                       "older.pth lacks model, optimizer, rng, ")
+    assert "num_images, data_id: it was written by another version" in message
 
 
 @pytest.mark.parametrize("extra,match", [
