@@ -155,3 +155,25 @@ def test_gradient_reaches_only_the_online_branch():
     assert all(p.grad is None for p in model.momentum_parameters()) and model.queue.grad is None
     for name, p in list(model.encoder.named_parameters()) + list(model.projector.named_parameters()):
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_the_equations_table_points_into_the_functions_it_names():
+    """docs/EQUATIONS.md's `name`, file:A-B (a file named once for the cells and rows after it): lines A to B lie in the
+    function `name` (the code moves, the table must follow)."""
+    import ast
+    import os
+    import re
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spans = {}
+    for name in ("losses.py", "builder.py"):
+        for node in ast.walk(ast.parse(open(os.path.join(repo, "sce", name)).read())):
+            if isinstance(node, ast.FunctionDef):
+                spans[name, node.name] = (node.lineno, node.end_lineno)
+    checked, file = 0, None
+    for row in open(os.path.join(repo, "docs", "EQUATIONS.md")):
+        for name, where, first, last in re.findall(r"`([\w.]+)`,? (\w+\.py)?:(\d+)(?:-(\d+))?", row):
+            file = where or file
+            start, end = spans[file, name.split(".")[-1]]
+            assert start <= int(first) <= int(last or first) <= end, (row, name)
+            checked += 1
+    assert checked >= 15
