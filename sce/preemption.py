@@ -49,8 +49,9 @@ class Interrupted(BaseException):
     says so in one line). Not an Exception, as KeyboardInterrupt is not: no `except Exception` holds it up."""
 
 
-class Stopped(Exception):
-    """A stop signal during start-up, before the run's loop took the stop signals over: nothing to save."""
+class Stopped(BaseException):
+    """A stop signal during start-up, before the run's loop took the stop signals over: nothing to save. Not an
+    Exception, as Interrupted is not: the handlers of unreadable images, checkpoints and batches let it through."""
 
 
 def stop_during_startup():

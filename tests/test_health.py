@@ -15,7 +15,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import REPO, TINY, assert_trained, fake_compile, load, nan_losses, no_triton, pretrain, write_imagefolder
+from conftest import (REPO, TINY, assert_same_state, assert_trained, exit_message, fake_compile, load, nan_losses,
+                      no_triton, pretrain, write_cifar, write_imagefolder)
 import main_pretrain
 from sce import UserError, alive, checkpoint
 from sce.preemption import PREEMPTED_EXIT_CODE
@@ -345,3 +346,53 @@ def test_a_stop_while_the_script_imports_exits_75_with_its_line(tmp_path, script
     assert proc.stdout == (f"=> stopped by {signal.Signals(signum).name} during start-up, before any training: nothing "
                            "to save; run the same command again to start (exiting with code 75)\n") and not proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def sends_stop_in(monkeypatch, owner, name, worker=False):
+    """owner.name, the first time it is called (in a loader worker: there), sends SIGTERM to the run and then goes on:
+    a stop in the phase that calls it, inside its handlers of broken files."""
+    real, sent = getattr(owner, name), []
+
+    def stopping(*args, **kwargs):
+        if not sent and (torch.utils.data.get_worker_info() is not None) == worker:
+            sent.append(True)
+            os.kill(os.getppid() if worker else os.getpid(), signal.SIGTERM)
+            time.sleep(1 if worker else 0)  # the worker's parent waits for this batch when the signal comes
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, stopping)
+
+
+STOPPED = ("=> stopped by SIGTERM during start-up, before any training: nothing to save; run the same command again "
+           "to start (exiting with code 75)")
+
+
+@pytest.mark.parametrize("phase", ["preload0", "preload1", "cifar", "pretrained", "saving"])
+def test_a_stop_in_any_phase_exits_75_and_the_rerun_equals_an_uninterrupted_one(phase, small, pretrained, tmp_path,
+                                                                               monkeypatch, capsys):
+    """SIGTERM while preloading opens an image (in the process or in a loader worker), while the CIFAR files are
+    checked, while --pretrained is loaded or the feature cache saved: the stop's line and exit 75, never an
+    unreadable image replaced, a damaged file or checkpoint blamed; the same command again runs as if never
+    stopped."""
+    from PIL import Image
+    from sce import layouts
+    if phase in ("pretrained", "saving"):
+        script, args = "main_lincls.py", ["--data", write_imagefolder(tmp_path / "data", 2, 4, 16), "--pretrained",
+                                          pretrained, "--classifier", "logreg", "--logreg-c", "1"]
+    else:
+        data = write_cifar(tmp_path / "cifar") if phase == "cifar" else small
+        script, args = "main_pretrain.py", ["--data", data, "--epochs", "1", "--preload", "device"] + TINY + [
+            "--workers", "1" if phase == "preload1" else "0"] + (["--dataset", "cifar10"] if phase == "cifar" else [])
+    owner, name = {"preload0": (Image, "open"), "preload1": (Image, "open"), "cifar": (layouts._Batch, "load"),
+                   "pretrained": (torch, "load"), "saving": (torch, "save")}[phase]
+    with monkeypatch.context() as patch:
+        sends_stop_in(patch, owner, name, worker=phase == "preload1")
+        assert exit_message(script, *args, "--output-dir", tmp_path / "out") == PREEMPTED_EXIT_CODE
+    said = capsys.readouterr()
+    assert STOPPED in said.out and "warning" not in said.out and "Traceback" not in said.err, said
+    for out in ("out", "whole"):  # the stopped run again, and one never stopped
+        assert exit_message(script, *args, "--output-dir", tmp_path / out) is None
+    if script == "main_pretrain.py":
+        assert_same_state(*(load(tmp_path / out / "checkpoint_last.pth")["model"] for out in ("out", "whole")))
+    else:
+        rerun, whole = (json.load(open(tmp_path / out / "results_logreg.json")) for out in ("out", "whole"))
+        assert rerun["test"] == whole["test"] and rerun["C"] == whole["C"]
