@@ -122,13 +122,7 @@ def list_images(directory, class_to_idx, is_valid=None):
         target, found = os.path.join(directory, name), len(samples)
         if not os.path.isdir(target):
             continue
-        ways = {target: _walk_step(target, (top,), directory)}  # folder -> the real paths on the way in to it
-        walked = []
-        for root, folders, names in os.walk(target, followlinks=True):
-            way = ways.pop(root)
-            for folder in folders:
-                ways[os.path.join(root, folder)] = _walk_step(os.path.join(root, folder), way, directory)
-            walked.append((root, names))
+        walked = [(root, names) for root, _, names in walk(target, directory, (top,))]
         for root, names in sorted(walked):
             for path in (os.path.join(root, n) for n in sorted(names)):
                 if is_valid(path):
@@ -145,6 +139,17 @@ def list_images(directory, class_to_idx, is_valid=None):
         raise UserError(f"the class folder {empty[0]} holds no image ({len(empty)} of the {len(class_to_idx)} hold "
                         f"none; ImageFolder reads {' '.join(IMAGE_EXTENSIONS)}): add images or remove the folder")
     return samples
+
+
+def walk(folder, directory, way=()):
+    """os.walk(folder, followlinks=True), a UserError at a folder loop (_walk_step); `way`: the real paths on the way
+    in to `folder` from `directory`, (its real path,) where `folder` lies below it."""
+    ways = {folder: _walk_step(folder, way, directory)}  # folder -> the real paths on the way in to it
+    for root, folders, names in os.walk(folder, followlinks=True):
+        way = ways.pop(root)
+        for name in folders:
+            ways[os.path.join(root, name)] = _walk_step(os.path.join(root, name), way, directory)
+        yield root, folders, names
 
 
 def _walk_step(folder, way, directory):
