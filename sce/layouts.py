@@ -235,46 +235,108 @@ def labels(entry):
 
 
 class NotABatch(pickle.UnpicklingError):
-    """A pickle that would call what a CIFAR batch never does (run code): refused before the call."""
+    """A pickle that would call what a CIFAR batch never does (run code), or build an array of a dtype that is not
+    plain numbers: refused before the call, before the array."""
 
 
 def _latin1(text, encoding="latin1"):
     """_codecs.encode as a pickle of protocol 2 calls it for bytes, for latin-1 alone."""
     if encoding not in ("latin1", "latin-1"):
-        raise NotABatch(f"_codecs.encode(..., {encoding!r})")
+        raise NotABatch(f"it would call _codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
+
+
+def _plain_key(args, state):
+    """numpy.dtype's arguments and state as a pickle gives them (Python 2's files: 0 and 1 for False and True)."""
+    return repr((tuple(int(a) if type(a) is bool else a for a in args), state))
+
+
+# the dtypes a batch's arrays may have, by what their pickle holds: plain numbers in either byte order, no fields,
+# no sub-arrays, no objects (a forged state, an object field inside a void dtype, crashes numpy, exit 139)
+PLAIN = {_plain_key(*d.__reduce__()[1:]): d for name in ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8")
+         for d in (np.dtype(name).newbyteorder(order) for order in "<>")}
+
+
+class _DType:
+    """numpy.dtype(...) as a pickle calls it, then its state (BUILD): numpy's own built by real() once both are those
+    of a plain dtype (PLAIN), never from a forged state."""
+
+    def __init__(self, *args):
+        self.args, self.state = args, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def real(self):
+        found = PLAIN.get(_plain_key(self.args, self.state))
+        if found is None:
+            raise NotABatch(f"its arrays would be of the dtype {_plain_key(self.args, self.state)[:80]}, not of plain "
+                            "numbers (nothing was built)")
+        return found
+
+
+def _real(dtype):
+    if not isinstance(dtype, _DType):
+        raise NotABatch(f"its arrays would be of a {type(dtype).__name__}, not of a dtype (nothing was built)")
+    return dtype.real()
+
+
+class _Array(np.ndarray):
+    """An array as a pickle rebuilds it: numpy's __setstate__ given the plain dtype its _DType stands for."""
+
+    def __setstate__(self, state):
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise NotABatch("its arrays' state is not numpy's (nothing was built)")
+        super().__setstate__(state[:2] + (_real(state[2]),) + state[3:])
+
+
+_NDARRAY = object()  # numpy.ndarray in a pickle: _reconstruct's argument, nothing a pickle may call
 
 
 def _array_builders():
     """What a pickle of numpy arrays calls, under each module path numpy 1 or 2 writes (the release's files: numpy
-    1's numpy.core.multiarray._reconstruct), and protocol 2's bytes."""
-    try:
-        from numpy._core import multiarray, numeric  # numpy 2
-    except ImportError:
-        from numpy.core import multiarray, numeric
-    names = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): _latin1}
+    1's numpy.core.multiarray._reconstruct), and protocol 2's bytes: each a stand-in taking plain dtypes alone."""
+    def reconstruct(cls, shape, typecode):  # an empty array, then its state: _Array.__setstate__
+        if cls is not _NDARRAY:
+            raise NotABatch("it would rebuild another type than numpy.ndarray")
+        return np.ndarray.__new__(_Array, (0,), np.uint8)
+
+    def frombuffer(buffer, dtype, shape, order):  # protocol 5's arrays
+        return np.frombuffer(buffer, dtype=_real(dtype)).reshape(shape, order=order)
+    names = {("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _DType, ("_codecs", "encode"): _latin1}
     for path in ("numpy.core", "numpy._core"):
-        names[f"{path}.multiarray", "_reconstruct"] = multiarray._reconstruct
-        names[f"{path}.numeric", "_frombuffer"] = numeric._frombuffer
+        names[f"{path}.multiarray", "_reconstruct"] = reconstruct
+        names[f"{path}.numeric", "_frombuffer"] = frombuffer
     return names
+
+
+def _plain_arrays(obj):
+    """obj with each _Array a plain ndarray (a batch: dicts and lists)."""
+    if isinstance(obj, np.ndarray):
+        return obj.view(np.ndarray)
+    if isinstance(obj, dict):
+        return {k: _plain_arrays(v) for k, v in obj.items()}
+    return [_plain_arrays(v) for v in obj] if isinstance(obj, list) else obj
 
 
 class _Batch(pickle.Unpickler):
     """Rebuilds what CIFAR's python batches hold and nothing else: dicts, lists, str, bytes, numbers and numpy
-    arrays. Any other name a pickle refers to (os.system, builtins.eval, ...) is refused before it can be called."""
+    arrays of plain numbers. Any other name a pickle refers to (os.system, builtins.eval, ...) is refused before it
+    can be called, any other dtype before an array is built."""
     allowed = _array_builders()
 
     def find_class(self, module, name):
         if (module, name) not in self.allowed:
-            raise NotABatch(f"{module}.{name}")
+            raise NotABatch(f"it would call {module}.{name} (a pickle that runs code; nothing was run)")
         return self.allowed[module, name]
 
 
 def read_batch(path):
     """A CIFAR python batch (or meta file) unpickled as the release's Python 2 files need (latin-1), without
-    running code: a pickle that would call anything but numpy's array rebuilding raises NotABatch."""
+    running code: a pickle that would call anything but numpy's array rebuilding, or build an array of another
+    dtype than plain numbers, raises NotABatch."""
     with open(path, "rb") as f:
-        return _Batch(f, encoding="latin1").load()
+        return _plain_arrays(_Batch(f, encoding="latin1").load())
 
 
 def short_binary(folder, names):
@@ -299,7 +361,7 @@ def damaged_batch(folder, names):
         try:
             entry = read_batch(path)
         except NotABatch as e:
-            return f"{path} is no CIFAR batch: it would call {e} (a pickle that runs code; nothing was run)"
+            return f"{path} is no CIFAR batch: {e}"
         except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
             return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
         found = labels(entry)

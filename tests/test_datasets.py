@@ -70,12 +70,61 @@ def test_cifar_batches_are_read_without_running_their_code(tmp_path, call):
     assert "\n" not in str(info.value) and not marker.exists()
     arrays = {"data": np.arange(2 * 3072, dtype=np.uint8).reshape(2, 3072) % 251, "labels": [3, 7],
               "filenames": ["a.png", "b.png"]}
-    written = [python2_pickle(arrays)] + [pickle.dumps(arrays, protocol=p) for p in (2, 4, 5)]
+    written = [python2_pickle(arrays)] + [pickle.dumps(arrays, protocol=p) for p in range(6)]
     for data in written:
         (tmp_path / "batch").write_bytes(data)
         plain, safe = pickle.loads(data, encoding="latin1"), read_batch(tmp_path / "batch")
         assert safe.keys() == plain.keys() and safe["labels"] == plain["labels"] == [3, 7]
         assert safe["data"].dtype == np.uint8 and np.array_equal(safe["data"], plain["data"])
+
+
+FORGED = """
+import os, pickle, sys
+import numpy as np
+from numpy._core import multiarray, numeric
+sys.path.insert(0, os.getcwd())
+from sce.layouts import damaged_batch
+
+
+class Forged:  # a void dtype holding an object field, its flags saying so: numpy reads garbage as references
+    def __reduce__(self):
+        return np.dtype, ("V8", False, True), (3, "|", None, ("f",), {"f": (np.dtype("O"), 0)}, 8, 1, 1)
+
+
+class Array:  # an array of it, by _reconstruct (protocols 0-5) or by _frombuffer (protocol 5's)
+    def __init__(self, route):
+        self.route = route
+
+    def __reduce__(self):
+        if self.route == "frombuffer":
+            return numeric._frombuffer, (b"\\x01" * 16, Forged(), (2,), "C")
+        return multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (2,), Forged(), False, b"\\x01" * 16)
+
+
+folder = sys.argv[1]
+for protocol in range(6):
+    for route in ("reconstruct", "frombuffer"):
+        name = f"{route}{protocol}"
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump({"data": Array(route), "labels": [0, 1]}, f, protocol=protocol)
+        print(damaged_batch(folder, [name]), flush=True)
+"""
+
+
+def test_a_forged_dtype_in_any_protocol_is_refused_before_an_array_is_built(tmp_path):
+    """An object field inside a void dtype, by numpy's two routes to an array, in pickles of protocols 0-5: each one
+    line naming the file and the dtype, the process alive (numpy would read the bytes as references: exit 139)."""
+    import subprocess
+    import sys
+    from conftest import REPO
+    proc = subprocess.run([sys.executable, "-c", FORGED, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 12 and not proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
+    for line, name in zip(lines, [f"{r}{p}" for p in range(6) for r in ("reconstruct", "frombuffer")]):
+        assert line.startswith(f"{tmp_path / name} is no CIFAR batch: its arrays would be of the dtype (('V8', 0, 1), "
+                               "(3, '|', None, ('f',), {'f': (<sce.layouts._DType object at"), line
+        assert line.endswith("not of plain numbers (nothing was built)"), line
 
 
 def test_stl10_binaries(tmp_path):
