@@ -203,11 +203,15 @@ class MomentumModel(nn.Module):
         # shuffle-BN (MoCo): BN statistics of the keys come from a random subset of the global
         # batch; on one process the split BN layers make the subsets
         x_all = du.all_gather(x)
-        # rand + argsort: a permutation drawn on the device, which a CUDA graph captures (sce.cuda_graph)
-        perm = du.broadcast(torch.rand(len(x_all), device=x.device).argsort())
+        perm = du.broadcast(self.shuffle_order(len(x_all), x.device))
         world, rank = du.world_size(), du.rank()
         out = du.all_gather(self._momentum(x_all[perm].chunk(world)[rank]))
         return out[torch.argsort(perm)].chunk(world)[rank]
+
+    def shuffle_order(self, n, device):
+        """The momentum branch's order of a global batch of n (shuffle-BN): rand + argsort, a permutation drawn on the
+        device, which a CUDA graph captures (sce.cuda_graph). benchmarks/step_equality.py sets the authors' here."""
+        return torch.rand(n, device=device).argsort()
 
     def _momentum(self, x):
         return F.normalize(at_least_fp32(self.momentum_projector(self.momentum_encoder(x))), dim=1)
