@@ -4,6 +4,7 @@ their environment (benchmarks/authors_reference.sh says which pins):
 
     python benchmarks/authors_reference.py pretrain AUTHORS_DIR DATA_DIR RUN_DIR [HYDRA_OVERRIDE ...]
     python benchmarks/authors_reference.py trunk CHECKPOINT OUT_PTH
+    python benchmarks/authors_reference.py unpack WHEELS_DIR SITE_DIR
 
 `pretrain` runs their run/pretrain.py with its CIFAR-10 configuration (resnet18_cifar10.yaml) on DATA_DIR/train
 (DATA_DIR/val must exist: their folder datamodule checks both), writing into RUN_DIR; a rerun resumes from the
@@ -14,7 +15,11 @@ last checkpoint there. Four things their code needs today are done here, none by
     removed from the config (tau_m stays at its temp_m, 0.05);
   - their CIFAR-10 datamodule downloads the official files and their folder datamodule leaves num_classes
     abstract: a 10-class folder datamodule (ImageFolder10 below) replaces it.
-Lightning 1.7 loads its own checkpoints with torch.load's old default (weights_only=False), which torch 2.6 and
+Their run stops with one line when each of its first 3 batches holds one class (MixedBatches): their loader
+shuffles only when Lightning's DDP adds a sampler or the caller asks (authors_reference.sh does).
+`unpack` puts their pins (pure-Python wheels) into SITE_DIR, once, for their runs' PYTHONPATH: a wheel is a zip
+archive, unpacked as it is, because pip 24.1 and later refuse pytorch-lightning 1.7.7's metadata ("torch
+(>=1.9.*)") even with --no-deps. Lightning 1.7 loads its own checkpoints with torch.load's old default (weights_only=False), which torch 2.6 and
 later no longer assume: resuming sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (their own files, trusted). With
 AUTHORS_DEADLINE (a Unix time) set, the run ends at the end of the last epoch that fits before it (StopAtDeadline).
 """
@@ -26,6 +31,7 @@ import types
 
 # Hydra overrides that fit their CIFAR-10 config to our data and today's packages (the checkpoint cadence, the
 # epochs, precision and the seed come from the caller)
+MIXED_BATCHES = 3  # their first batches whose classes are counted (MixedBatches)
 FIT_OVERRIDES = ["~model.initial_temp_m", "~model.warmup_epoch_temp_m", "datamodule._target_=__main__.ImageFolder10"]
 
 
@@ -63,6 +69,15 @@ def install_helps(authors_dir):
     os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 
 
+def mixed_or_fail(mixes):
+    """Given the classes in each of their first batches: a line saying so, or, when each held one class, the error
+    that stops their run (their loader is not shuffling: its kNN would read low and clear our code wrongly)."""
+    if max(mixes) == 1:
+        fail(f"each of their first {len(mixes)} batches holds one class: their loader does not shuffle (pass "
+             "+datamodule.train.loader.shuffle=True, as authors_reference.sh does)")
+    print(f"=> their first {len(mixes)} batches hold {', '.join(map(str, mixes))} classes", flush=True)
+
+
 def pretrain(authors_dir, data_dir, run_dir, overrides):
     authors_dir, data_dir, run_dir = (os.path.abspath(p) for p in (authors_dir, data_dir, run_dir))
     for split in ("train", "val"):
@@ -91,6 +106,19 @@ def pretrain(authors_dir, data_dir, run_dir, overrides):
                       flush=True)
                 trainer.should_stop = True
 
+    class MixedBatches(Callback):
+        """Says how many classes each of their first batches holds, and stops the run when every one of the first
+        MIXED_BATCHES holds one: an unshuffled loader over a folder sorted by class (mixed_or_fail)."""
+        def __init__(self):
+            self.mixes = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if len(self.mixes) < MIXED_BATCHES:
+                self.mixes.append(len(set(batch["label"].tolist())))
+                if len(self.mixes) == MIXED_BATCHES:
+                    mixed_or_fail(self.mixes)
+
+    overrides = [*overrides, "+callbacks.mixed_batches._target_=__main__.MixedBatches"]
     deadline = os.environ.get("AUTHORS_DEADLINE")
     if deadline:
         overrides = [*overrides, "+callbacks.deadline._target_=__main__.StopAtDeadline",
@@ -98,8 +126,25 @@ def pretrain(authors_dir, data_dir, run_dir, overrides):
     script = os.path.join(authors_dir, "run", "pretrain.py")
     sys.argv = [script, f"datamodule.datadir={data_dir}", f"dir.run={run_dir}", *FIT_OVERRIDES, *overrides]
     # their script runs as __main__ (Hydra finds its config beside the file), our two classes in its namespace
-    runpy.run_path(script, init_globals={"ImageFolder10": ImageFolder10, "StopAtDeadline": StopAtDeadline},
+    runpy.run_path(script, init_globals={"ImageFolder10": ImageFolder10, "StopAtDeadline": StopAtDeadline,
+                                         "MixedBatches": MixedBatches},
                    run_name="__main__")
+
+def unpack(wheels_dir, site):
+    """Every wheel of wheels_dir unpacked into site (skipped when site/.installed exists)."""
+    import glob
+    import zipfile
+    wheels = sorted(glob.glob(os.path.join(wheels_dir, "*.whl")))
+    if not wheels:
+        fail(f"{wheels_dir} holds no .whl files: pass the bundle's wheels folder (authors_reference.sh bundle)")
+    if os.path.isfile(os.path.join(site, ".installed")):
+        return
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site)
+    open(os.path.join(site, ".installed"), "w").close()
+    print(f"=> {len(wheels)} wheels unpacked into {site}")
+
 
 def extract_trunk(checkpoint, out):
     """Their online trunk (state_dict's trunk.*: torchvision's resnet18 with a 3x3 stride-1 conv1, no max-pool,
@@ -115,10 +160,12 @@ def extract_trunk(checkpoint, out):
 
 if __name__ == "__main__":
     usage = ("usage: authors_reference.py pretrain AUTHORS_DIR DATA_DIR RUN_DIR [HYDRA_OVERRIDE ...] | "
-             "trunk CHECKPOINT OUT_PTH")
+             "trunk CHECKPOINT OUT_PTH | unpack WHEELS_DIR SITE_DIR")
     if len(sys.argv) >= 5 and sys.argv[1] == "pretrain":
         pretrain(*sys.argv[2:5], sys.argv[5:])
     elif len(sys.argv) == 4 and sys.argv[1] == "trunk":
         extract_trunk(*sys.argv[2:4])
+    elif len(sys.argv) == 4 and sys.argv[1] == "unpack":
+        unpack(*sys.argv[2:4])
     else:
         fail(usage)

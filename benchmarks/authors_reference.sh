@@ -7,9 +7,9 @@
 # is the data's; if theirs reads higher, it is ours.
 #
 #   bash benchmarks/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR]   (OUT_DIR: runs/authors_reference)
-#   PYTHON_AUTHORS=/path/python     their environment's interpreter (default: $PYTHON): PINS below, tqdm, torch,
+#   PYTHON_AUTHORS=/path/python     their environment's interpreter (default: $PYTHON): PINS below, torch,
 #                                   torchvision, tensorboard, numpy, pillow, pyyaml (docs/benchmarks.md)
-#   AUTHORS_WHEELS=DIR              install those pins from DIR/*.whl first (no index: the GPU machine's way), into
+#   AUTHORS_WHEELS=DIR              unpack those pins from DIR/*.whl first (no index: the GPU machine's way), into
 #                                   OUT_DIR/authors_site, on their runs' PYTHONPATH only
 #   PYTHON=/path/python             ours (default: .venv/bin/python of this repository if there is one, else python3)
 #   ORDER="ours authors"            which runs, in this order (default: both, ours first)
@@ -30,7 +30,7 @@
 # AUTHORS_WHEELS=BUNDLE_DIR/wheels.
 set -euo pipefail
 PINS="pytorch-lightning==1.7.7 torchmetrics==0.10.3 setuptools==80.9.0 hydra-core==1.3.2 omegaconf==2.3.1
-      antlr4-python3-runtime==4.9.3 kornia==0.6.12 pyDeprecate==0.3.2"
+      antlr4-python3-runtime==4.9.3 kornia==0.6.12 pyDeprecate==0.3.2 tqdm==4.67.1"
 if [ "${1:-}" = bundle ]; then
     [ -f "${2:-}/run/pretrain.py" ] || git -C "${2:-.}" cat-file -e HEAD:run/pretrain.py 2>/dev/null || {
         echo "error: '${2:-}' is not a checkout of CEA-LIST/SCE (no run/pretrain.py): pass the folder their" \
@@ -42,10 +42,15 @@ if [ "${1:-}" = bundle ]; then
     else
         cp -r "$2"/. "$BUNDLE/SCE/"
     fi
+    # pip 24.1 and later refuse pytorch-lightning 1.7.7's metadata ("torch (>=1.9.*)"): an older pip, in a
+    # throwaway virtualenv, downloads the pins (pure Python: one wheel fits all)
+    pip_env=$(mktemp -d)
+    trap 'rm -rf "$pip_env"' EXIT
+    ${PYTHON:-python3} -m venv "$pip_env" && "$pip_env/bin/python" -m pip install -q "pip<24.1"
     # shellcheck disable=SC2086
-    ${PYTHON:-python3} -m pip download -q --no-deps -d "$BUNDLE/wheels" $PINS  # pure Python: one wheel fits all
+    "$pip_env/bin/python" -m pip download -q --no-deps -d "$BUNDLE/wheels" $PINS
     for sdist in "$BUNDLE"/wheels/*.tar.gz; do  # antlr4-python3-runtime 4.9.3 exists as a source archive only
-        [ -f "$sdist" ] && ${PYTHON:-python3} -m pip wheel -q --no-deps -w "$BUNDLE/wheels" "$sdist" && rm "$sdist"
+        [ -f "$sdist" ] && "$pip_env/bin/python" -m pip wheel -q --no-deps -w "$BUNDLE/wheels" "$sdist" && rm "$sdist"
     done
     du -sh "$BUNDLE"/SCE "$BUNDLE"/wheels
     exit 0
@@ -65,8 +70,8 @@ START=$SECONDS
 [ -d "$DATA/train" ] && [ -d "$DATA/val" ] || {
     echo "error: $DATA has no train/ and val/ class folders: pass the CIFAR-10 ImageFolder (tar -xzf" \
         "cifar10-jpeg.tar.gz -C DIR)" >&2; exit 2; }
-[[ $EPOCHS =~ ^[0-9]+$ ]] && (( 10#$EPOCHS > 0 )) || {
-    echo "error: EPOCHS must be a whole number above 0 (got '$EPOCHS')" >&2; exit 2; }
+[[ $EPOCHS =~ ^[0-9]{1,6}$ ]] && (( 10#$EPOCHS > 0 )) || {  # 6 digits at most: bash's arithmetic wraps at 2**63
+    echo "error: EPOCHS must be a whole number from 1 to 999999 (got '$EPOCHS')" >&2; exit 2; }
 EPOCHS=$(( 10#$EPOCHS ))
 [[ ${LIMIT_S:-0} =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got '$LIMIT_S')" >&2; exit 2; }
 ORDER=${ORDER:-ours authors}
@@ -116,10 +121,13 @@ ours=("$PYTHON" main_pretrain.py "${recipe[@]}" --dataset imagefolder --data "$D
 authors=("$PYTHON_AUTHORS" benchmarks/authors_reference.py pretrain "$AUTHORS" "$DATA" "$OUT/authors"
          "trainer.max_epochs=$EPOCHS" "callbacks.model_checkpoint.every_n_epochs=$EPOCHS"
          callbacks.model_checkpoint.save_last=True "seed.seed=$SEED")
-# one device: Lightning's single-device strategy, not their config's DDP (over one process it computes the same:
-# their gathers check for a process group, their split BN simulates 8 devices either way); their views' settings
-# handed to torchvision as plain lists, not OmegaConf's (the same views, bit for bit, in ~60% of the loader's time)
-authors+=("~trainer.strategy" "+datamodule.train.transform._convert_=all")
+# one device: Lightning's single-device strategy, not their config's DDP (their step is the same: their gathers
+# check for a process group, their split BN simulates 8 devices either way), but their loader's order is not:
+# DDP's sampler shuffles, and without it their loader reads the folder in order, each batch one class, so
+# shuffle=True as their config's DDP does (authors_reference.py stops a run whose first batches hold one class);
+# their views' settings handed to torchvision as plain lists, not OmegaConf's (the same views, bit for bit, in
+# ~60% of the loader's time)
+authors+=("~trainer.strategy" "+datamodule.train.loader.shuffle=True" "+datamodule.train.transform._convert_=all")
 if [ "$DEVICE" = cpu ]; then
     authors+=(trainer.gpus=0 model.num_devices=1 trainer.precision=32)
 else
@@ -181,9 +189,8 @@ for run in $ORDER; do
         [ "$(grep -so '"epoch": [0-9]*' "$OUT/ours/log.txt" | tail -1)" = "\"epoch\": $EPOCHS" ] ||
             stage ours_pretrain "${ours[@]}"
     else
-        if [ -n "${AUTHORS_WHEELS:-}" ] && [ ! -f "$OUT/authors_site/.installed" ] && [ "${DRY_RUN:-0}" != 1 ]; then
-            "$PYTHON_AUTHORS" -m pip install -q --no-index --no-deps --no-compile --upgrade --target \
-                "$OUT/authors_site" "$AUTHORS_WHEELS"/*.whl && touch "$OUT/authors_site/.installed"
+        if [ -n "${AUTHORS_WHEELS:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then  # unpacked, not pip: see the .py
+            "$PYTHON_AUTHORS" benchmarks/authors_reference.py unpack "$AUTHORS_WHEELS" "$OUT/authors_site"
         fi
         last="$OUT/authors/pretrain_checkpoints/epoch=$(( EPOCHS - 1 )).ckpt"
         [ -f "$last" ] || stage authors_pretrain ${site[@]+"${site[@]}"} "${authors[@]}"

@@ -45,7 +45,8 @@ def test_bad_input_is_one_line(tmp_path):
         return lines[0]
     assert "is not a checkout of CEA-LIST/SCE" in error(tmp_path, data, 2)
     assert "has no train/ and val/ class folders" in error(authors, tmp_path / "none", 2)
-    assert "EPOCHS must be a whole number above 0 (got 'x')" in error(authors, data, "x")
+    assert "EPOCHS must be a whole number from 1 to 999999 (got 'x')" in error(authors, data, "x")
+    assert f"(got '{2 ** 64 + 1}')" in error(authors, data, 2 ** 64 + 1)  # not wrapped to 1
     assert "(got '0')" in error(authors, data, 0)
     assert "unknown run 'theirs'" in error(authors, data, 2, ORDER="ours theirs")
     assert "holds no .whl files" in error(authors, data, 2, AUTHORS_WHEELS=str(tmp_path))
@@ -79,7 +80,8 @@ def test_dry_run_commands(tmp_path):
     theirs = found["authors_pretrain"]
     assert theirs[1:5] == ["benchmarks/authors_reference.py", "pretrain", authors, data]
     for override in ("trainer.max_epochs=3", "callbacks.model_checkpoint.every_n_epochs=3", "seed.seed=42",
-                     "~trainer.strategy", "+datamodule.train.transform._convert_=all"):
+                     "~trainer.strategy", "+datamodule.train.transform._convert_=all",
+                     "+datamodule.train.loader.shuffle=True"):  # one device has no DDP sampler to shuffle
         assert override in theirs
     cpu = not torch.cuda.is_available()  # fp32 there, else their fp16 and our bf16
     assert ("trainer.precision=32" in theirs) == cpu and (ours.amp == "none") == cpu
@@ -92,13 +94,43 @@ def test_dry_run_commands(tmp_path):
     assert not os.path.exists(tmp_path / "out" / "ours")  # nothing ran
 
 
-def test_their_trunk_loads_into_our_evaluation(tmp_path):
-    """The online trunk (trunk.*) of a Lightning checkpoint, not the momentum one, loads strictly into our
-    resnet18 with the small-input stem; a checkpoint with no trunk is one line."""
+def load_launcher():
     spec = importlib.util.spec_from_file_location("authors_reference",
                                                   os.path.join(REPO, "benchmarks", "authors_reference.py"))
     launcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launcher)
+    return launcher
+
+
+def test_their_run_stops_when_its_first_batches_hold_one_class_each(capsys):
+    """Their loader without a shuffle reads a class-sorted folder in order: the run stops in one line; mixed
+    batches are said and go on."""
+    launcher = load_launcher()
+    with pytest.raises(SystemExit) as stop:
+        launcher.mixed_or_fail([1, 1, 1])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "does not shuffle" in err[0]
+    launcher.mixed_or_fail([1, 7, 10])
+    assert "hold 1, 7, 10 classes" in capsys.readouterr().out
+
+
+def test_their_pins_are_unpacked_without_pip(tmp_path):
+    """A wheel is unpacked as the zip it is (pip 24.1+ refuses pytorch-lightning 1.7.7's metadata), once."""
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "pkg-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("pkg/__init__.py", "VALUE = 7\n")
+    launcher = load_launcher()
+    launcher.unpack(str(tmp_path), str(tmp_path / "site"))
+    assert (tmp_path / "site" / "pkg" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert (tmp_path / "site" / ".installed").exists()
+    with pytest.raises(SystemExit):
+        launcher.unpack(str(tmp_path / "site"), str(tmp_path / "other"))  # no wheels: one line
+
+
+def test_their_trunk_loads_into_our_evaluation(tmp_path):
+    """The online trunk (trunk.*) of a Lightning checkpoint, not the momentum one, loads strictly into our
+    resnet18 with the small-input stem; a checkpoint with no trunk is one line."""
+    launcher = load_launcher()
     torch.manual_seed(0)
     online, _ = build_trunk("resnet18", small_input=True)
     momentum, _ = build_trunk("resnet18", small_input=True)
