@@ -47,7 +47,10 @@ VARIANTS = {
     "seed1": ("sce", ["--seed", "1"], "default", "another seed: the noise"),
     "jpeg-q75": ("sce", [], "default", "the data re-encoded at quality 75 (nearly lossless on a q75 copy)"),
     "jpeg-q50": ("sce", [], "default", "the data re-encoded at quality 50 (about the copy's squared error again)"),
-    "split-bn-all": ("sce", ["--split-bn", "all"], "default", "every BN layer split in 8 (the H200 row's)"),
+    "released-bn": ("sce", ["--split-bn", "momentum", "--bn-splits", "8"], "default",
+                    "the momentum encoder's BN alone split in 8 (the authors' released one-GPU config)"),
+    "split-bn-all": ("sce", ["--split-bn", "all", "--bn-splits", "8"], "default",
+                     "every BN layer split in 8 (the 2026-11-27 H200 row's)"),
     "noblur": ("sce", ["--online-aug", "strong-noblur"], "default", "the strong view without blur"),
     "fp16": ("sce", ["--amp", "fp16"], "default", "fp16 with GradScaler (the authors'; no CUDA graph)"),
     "moco": ("moco", [], "moco", "MoCo v2 (two strong views)"),
@@ -67,6 +70,8 @@ def variant(name):
     method, flags, against, what = VARIANTS.get(name) or ("sce", [], "default", f"the data re-encoded at quality "
                                                                                   f"{match.group(1)}")
     if match:
+        if not 1 <= int(match.group(1)) <= 95:
+            raise UserError(f"{name}: JPEG quality {int(match.group(1))} is outside PIL's 1-95: pick one in that range")
         flags = ["--data", f"data-q{match.group(1)}", "--knn-data", f"data-q{match.group(1)}"]
     return method, flags, against, what
 
@@ -234,11 +239,16 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, help=f"the schedule of each proxy (default: {EPOCHS}; --smoke: 1)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
                         help=f"in this order (default: {' '.join(VARIANTS)}); also jpeg-qN for a quality N")
-    parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS", help="0: none (default)")
+    parser.add_argument("--time-limit", type=float, default=0, metavar="SECONDS",
+                        help="seconds, finite and positive; 0: none (default)")
     parser.add_argument("--smoke", action="store_true", help="reproduce.sh's SMOKE setting, on CPU")
     parser.add_argument("--dry-run", action="store_true", help="print each variant's command, run none")
     args = parser.parse_args(argv)
     start, epochs = time.time(), args.epochs or (1 if args.smoke else EPOCHS)
+    if not (args.time_limit == 0 or 0 < args.time_limit < float("inf")):  # nan and -1 would stop every variant
+        raise UserError(f"--time-limit {args.time_limit} is not a number of seconds: give a positive one, or 0 for none")
+    if epochs < 1:
+        raise UserError(f"--epochs {epochs} trains nothing: give 1 or more")
     for name in args.variants:
         variant(name)  # an unknown name stops before anything runs
     out, settings = os.path.abspath(args.out), dict(data=os.path.realpath(args.data), epochs=epochs, smoke=args.smoke)

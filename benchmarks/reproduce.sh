@@ -50,7 +50,7 @@ eval "$recipe"
 METHODS=$($PYTHON benchmarks/reproduce_tools.py methods ${METHODS+"$METHODS"}) || exit 1
 PRETRAIN="--arch resnet18 --small-input --crop-size $CROP --batch-size 256 --epochs 200 --lr 0.06 --weight-decay 5e-4
           --warmup-epochs 5 --ema-schedule constant --ema-momentum $EMA --proj-hidden-dims 512 --proj-dim 256
-          --proj-last-bn none --shuffle-bn --bn-splits 8 --queue-size $QUEUE --knn-every 20"
+          --proj-last-bn none --shuffle-bn --split-bn all --bn-splits 2 --queue-size $QUEUE --knn-every 20"
 LINEAR=""  # the linear probe's flags beyond its defaults (100 epochs, lr 30, x0.1 at 60 and 80, batch 256)
 
 # SIGTERM / SIGINT / SIGUSR1 go to the running stage, which saves and stops; the script exits with its code. One

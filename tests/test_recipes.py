@@ -62,8 +62,8 @@ def test_recipe_parses(argv, monkeypatch):
     if "--symmetric" in argv and "--pred-hidden-dims" in argv:  # the state-of-the-art rows: the authors' configs
         assert args.optimizer == "lars" and args.batch_size == 4096 and args.warmup_epochs == 10
         assert args.sync_bn and args.proj_last_bn == "no-affine"
-    if "--small-input" in argv:  # one GPU, shuffle-BN as a split BN of 8 groups that divide the batch
-        assert args.shuffle_bn and args.bn_splits == 8 and args.batch_size % 8 == 0
+    if "--small-input" in argv:  # the paper's 2 GPUs of 128 on one: every BN layer split in 2, the keys shuffled
+        assert args.shuffle_bn and args.split_bn == "all" and args.bn_splits == 2 and args.batch_size == 256
 
 
 def test_readme_setup_commands_leave_the_interpreter_every_later_command_uses():
