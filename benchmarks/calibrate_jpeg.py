@@ -4,7 +4,7 @@
 over 200, both with its test-time augmentation), trained N times on our copy, against that figure.
 
     python benchmarks/calibrate_jpeg.py --data data/cifar10 [--runs 10] [--bench airbench94|airbench96]
-        [--airbench .whl/airbench-0.1.8.tar.gz] [--out runs/calibration] [--write-only]
+        [--device cuda|cpu] [--airbench .whl/airbench-0.1.8.tar.gz] [--out runs/calibration] [--write-only]
 
 --data: an ImageFolder with train/ and val/ whose class folders are CIFAR-10's ten names. airbench reads a pair
 of files, cifar10/train.pt and cifar10/test.pt under its working directory (it downloads the official release
@@ -12,9 +12,13 @@ when they are missing, which never happens here: they are written first), each {
 labels: (N,) int64, classes}; this script writes them once under --out from --data (decoded by PIL, labels in
 CIFAR-10's order, the images in a seeded random order). airbench is not a dependency of the project: its source
 distribution (12 kB; `pip download airbench==0.1.8 --no-deps -d .whl/`) is unpacked under --out and imported
-from there, unchanged. It trains on CUDA only (its model is moved with .cuda(), its time taken with CUDA events):
---write-only writes the pair anywhere. Prints a JSON line a run, then one with the mean, spread and the published
-mean's difference.
+from there, unchanged. It is written for CUDA (its model moved with .cuda() and cast with .half(), its data loaded
+onto device 0, its time taken with CUDA events); --device cpu runs the same files on the CPU in fp32: this script
+replaces those four calls when it imports airbench (Module.cuda/half keep the model where it is in fp32,
+Tensor.half gives fp32, the loader's default device is the CPU, CUDA events become wall-clock marks), nothing else.
+airbench94 then takes ~5-7 s a step of 1,024 images on 2 cores, about an hour a run: start it niced in the
+background. --write-only writes the pair anywhere. Prints a JSON line an epoch and one a run, then one with the
+mean, spread and the published mean's difference.
 """
 import argparse
 import json
@@ -40,8 +44,19 @@ SPLITS = {"train.pt": "train", "test.pt": "val"}  # airbench's file <- our split
 
 
 def decode(paths):
-    """(len(paths), H, W, 3) uint8 pixels, as PIL decodes the files."""
-    return np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
+    """(len(paths), 32, 32, 3) uint8 pixels, as PIL decodes the files; an unreadable file or another size is one
+    line naming it."""
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(np.asarray(image.convert("RGB")))
+        except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError and truncated files are OSErrors
+            raise UserError(f"{path} is not a readable image ({e}): replace or remove it") from None
+        if images[-1].shape != (32, 32, 3):
+            raise UserError(f"{path} is {images[-1].shape[1]}x{images[-1].shape[0]}: airbench needs CIFAR-10's "
+                            "32x32 images")
+    return np.stack(images)
 
 
 def write_pair(data, out, workers=1):
@@ -53,6 +68,9 @@ def write_pair(data, out, workers=1):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             continue
+        if not os.path.isdir(os.path.join(data, split)):
+            raise UserError(f"{data} has no {split}/ folder: pass an ImageFolder with train/ and val/ (airbench tests "
+                            "on val/)")
         classes, samples = image_folder(os.path.join(data, split))
         if classes != CIFAR10_CLASSES:
             raise UserError(f"{os.path.join(data, split)} has the classes {', '.join(classes)}: airbench needs "
@@ -64,9 +82,6 @@ def write_pair(data, out, workers=1):
                 images = np.concatenate(list(pool.map(decode, chunks)))
         else:
             images = np.concatenate([decode(c) for c in chunks])
-        if images.shape[1:] != (32, 32, 3):
-            raise UserError(f"{os.path.join(data, split)} holds {images.shape[2]}x{images.shape[1]} images: airbench "
-                            "needs CIFAR-10's 32x32")
         # a seeded random order, as in the official files: airbench whitens its first layer with the first 5000
         # training images, which in the ImageFolder's order would all be airplanes
         order = np.random.default_rng(0).permutation(len(samples))
@@ -92,21 +107,74 @@ def import_airbench(sdist, out):
     return airbench
 
 
-def train_runs(airbench, bench, runs):
+class WallClockEvent:
+    """torch.cuda.Event's timing on the CPU: record() marks the time, elapsed_time() the milliseconds between two."""
+
+    def __init__(self, **_):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return 1e3 * (end.at - self.at)
+
+
+def run_on_cpu(airbench):
+    """airbench's four CUDA calls made CPU ones, in fp32; this process runs nothing else."""
+    torch.nn.Module.cuda = lambda self, device=None: self
+    torch.nn.Module.half = lambda self: self
+    torch.Tensor.half = lambda self, memory_format=torch.preserve_format: self.float()
+    torch.cuda.Event = WallClockEvent
+    torch.cuda.synchronize = lambda device=None: None
+    init = airbench.CifarLoader.__init__
+    init.__defaults__ = init.__defaults__[:-1] + ("cpu",)  # gpu=0: where its files are loaded
+
+
+def train_loader(airbench, bench, run, device):
+    """The loader airbench's train94/96 build for themselves, with a JSON line at each epoch's end."""
+    hyp = getattr(airbench, f"lib_{bench}").hyp
+
+    class Loader(airbench.CifarLoader):
+        def __iter__(self):
+            epoch, start, steps = self.epoch, time.time(), 0
+            try:
+                for batch in super().__iter__():
+                    steps += 1
+                    yield batch
+            finally:  # also when train() breaks off its last, partial epoch
+                print(json.dumps(dict(bench=bench, run=run, epoch=epoch, steps=steps,
+                                      seconds=round(time.time() - start, 1))), flush=True)
+
+    return Loader("cifar10", train=True, batch_size=hyp["opt"]["batch_size"], aug=hyp["aug"], altflip=True,
+                  gpu=device)
+
+
+def train_runs(airbench, bench, runs, device):
     """Train `bench` `runs` times; a JSON line each; returns the accuracies (%)."""
     lib = getattr(airbench, f"lib_{bench}")
     train = getattr(airbench, f"train{bench[-2:]}")
-    test = airbench.CifarLoader("cifar10", train=False, batch_size=2000)  # as airbench's own evaluation
+    test = airbench.CifarLoader("cifar10", train=False, batch_size=2000, gpu=device)  # as airbench's evaluation
     accs = []
     for run in range(runs):
         torch.manual_seed(run)
         start = time.time()
-        model = train(verbose=False)
+        model = train(train_loader=train_loader(airbench, bench, run, device), verbose=False)
         acc = 100 * airbench.evaluate(model, test, tta_level=lib.hyp["net"]["tta_level"])
         accs.append(acc)
         print(json.dumps(dict(bench=bench, run=run, tta_test_acc=round(acc, 2), seconds=round(time.time() - start, 2))),
               flush=True)
     return accs
+
+
+def cpu_name():
+    """The CPU's model name and the cores this process may use, e.g. 'AMD EPYC 7B13 x2'."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "cpu"
+    return f"{name} x{len(os.sched_getaffinity(0))}"
 
 
 def main(argv=None):
@@ -118,6 +186,9 @@ def main(argv=None):
                         help="airbench's source distribution (default: .whl/airbench-0.1.8.tar.gz)")
     parser.add_argument("--bench", default="airbench94", choices=list(PUBLISHED))
     parser.add_argument("--runs", type=int, default=10, help="trainings (default: 10)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: airbench as published (fp16); cpu: the same files in fp32, about an hour a run "
+                             "on 2 cores (default: cuda where there is one)")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="processes decoding the images (default: one a core)")
     parser.add_argument("--write-only", action="store_true", help="write the pair and stop")
@@ -128,18 +199,21 @@ def main(argv=None):
     print(json.dumps(dict(what="pair", folder=folder, seconds=round(time.time() - start, 1))), flush=True)
     if args.write_only:
         return
-    if not torch.cuda.is_available():
-        raise UserError("airbench trains on CUDA only (its model is moved with .cuda()): run this on a GPU, or pass "
-                        "--write-only to write its data")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("no CUDA device here: pass --device cpu (fp32, about an hour a run on 2 cores), or "
+                        "--write-only to write the data only")
     airbench = import_airbench(os.path.abspath(args.airbench), out)
+    if args.device == "cpu":
+        run_on_cpu(airbench)
     os.chdir(out)  # airbench reads cifar10/*.pt under the working directory
-    accs = train_runs(airbench, args.bench, args.runs)
+    accs = train_runs(airbench, args.bench, args.runs, 0 if args.device == "cuda" else "cpu")
     mean = statistics.mean(accs)
     print(json.dumps(dict(bench=args.bench, runs=len(accs), mean=round(mean, 3),
                           std=round(statistics.stdev(accs), 3) if len(accs) > 1 else None, min=round(min(accs), 2),
                           max=round(max(accs), 2), published=PUBLISHED[args.bench],
-                          difference=round(mean - PUBLISHED[args.bench], 3), device=torch.cuda.get_device_name(),
-                          torch=torch.__version__)), flush=True)
+                          difference=round(mean - PUBLISHED[args.bench], 3), torch=torch.__version__,
+                          device=torch.cuda.get_device_name() if args.device == "cuda" else cpu_name(),
+                          precision="fp16" if args.device == "cuda" else "fp32")), flush=True)
 
 
 if __name__ == "__main__":

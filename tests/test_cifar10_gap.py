@@ -5,8 +5,10 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -102,8 +104,84 @@ def test_calibration_writes_airbenchs_pair_from_an_imagefolder(tmp_path, monkeyp
     with pytest.raises(UserError, match="has the classes a, b: airbench needs CIFAR-10's ten, named airplane"):
         calibrate.write_pair(str(tmp_path / "other"), str(tmp_path / "out2"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match="airbench trains on CUDA only"):
-        calibrate.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--workers", "1"])
+    with pytest.raises(UserError, match="no CUDA device here: pass --device cpu"):
+        calibrate.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--workers", "1",
+                        "--device", "cuda"])
+    shutil.rmtree(tmp_path / "data" / "val")
+    with pytest.raises(UserError, match="has no val/ folder"):
+        calibrate.write_pair(str(tmp_path / "data"), str(tmp_path / "out3"))
+    write_jpegs(tmp_path / "data" / "val", CIFAR10, 1, quality=75, subsampling="4:2:0")
+    Image.new("RGB", (40, 32)).save(tmp_path / "data" / "val" / "cat" / "wide.png")
+    with pytest.raises(UserError, match="wide.png is 40x32: airbench needs CIFAR-10's 32x32"):
+        calibrate.write_pair(str(tmp_path / "data"), str(tmp_path / "out4"))
+    (tmp_path / "data" / "val" / "cat" / "wide.png").write_bytes(b"not an image")
+    with pytest.raises(UserError, match="wide.png is not a readable image"):
+        calibrate.write_pair(str(tmp_path / "data"), str(tmp_path / "out5"))
+
+
+# airbench's CUDA calls as its 0.1.8 makes them: .half().cuda() on the model, the data loaded onto device 0 and
+# cast with .half(), CUDA events around the steps; evaluate() sees the model and data as they trained
+FAKE_AIRBENCH = {
+    "__init__.py": "from .lib_airbench94 import train94\nfrom .utils import evaluate, CifarLoader\n",
+    "lib_airbench94.py": """import torch
+from .utils import CifarLoader
+hyp = {"opt": {"batch_size": 4}, "aug": {"flip": True}, "net": {"tta_level": 2}}
+def train94(train_loader=None, verbose=True):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3072, 10)).half().cuda()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for epoch in range(2):
+        for images, labels in train_loader:
+            model(images).sum().backward()
+            if epoch == 1:
+                break  # a last epoch cut short, as airbench's 9.9
+    end.record()
+    torch.cuda.synchronize()
+    assert start.elapsed_time(end) >= 0
+    return model
+""",
+    "utils.py": """import os
+import torch
+class CifarLoader:
+    def __init__(self, path, train=True, batch_size=500, aug=None, drop_last=None, shuffle=None, altflip=False, gpu=0):
+        data = torch.load(os.path.join(path, "train.pt" if train else "test.pt"), map_location=torch.device(gpu))
+        self.images = (data["images"].half() / 255).permute(0, 3, 1, 2)
+        self.labels, self.batch_size, self.epoch = data["labels"], batch_size, 0
+    def __iter__(self):
+        self.epoch += 1
+        for i in range(0, len(self.images), self.batch_size):
+            yield self.images[i:i + self.batch_size], self.labels[i:i + self.batch_size]
+def evaluate(model, loader, tta_level=0):
+    weight = next(model.parameters())
+    assert weight.dtype == loader.images.dtype == torch.float32 and weight.device.type == "cpu", weight.dtype
+    return (model(loader.images).argmax(1) == loader.labels).float().mean().item()
+""",
+}
+
+
+def test_calibration_runs_airbenchs_files_unchanged_on_the_cpu_in_fp32(tmp_path):
+    """--device cpu: the files airbench ships (a stand-in making its CUDA calls) train on the CPU in fp32; a JSON
+    line an epoch (the last cut short) and a run, then the summary against the published mean."""
+    sdist = tmp_path / "airbench-0.1.8.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, text in FAKE_AIRBENCH.items():
+            info = tarfile.TarInfo(f"airbench-0.1.8/airbench/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    write_jpegs(tmp_path / "data" / "train", CIFAR10, 1)
+    write_jpegs(tmp_path / "data" / "val", CIFAR10, 1)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "calibrate_jpeg.py"), "--data",
+                           tmp_path / "data", "--out", tmp_path / "out", "--airbench", sdist, "--device", "cpu",
+                           "--runs", "2", "--workers", "1"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    epochs = [(r["run"], r["epoch"], r["steps"]) for r in lines if "epoch" in r]
+    assert epochs == [(0, 0, 3), (0, 1, 1), (1, 0, 3), (1, 1, 1)]  # 10 images in batches of 4
+    assert [r["run"] for r in lines if "tta_test_acc" in r] == [0, 1]
+    summary = lines[-1]
+    assert summary["runs"] == 2 and summary["published"] == 94.01 and summary["precision"] == "fp32"
+    assert summary["difference"] == round(summary["mean"] - 94.01, 3) and "x" in summary["device"]
 
 
 def proxies(*args):
@@ -132,7 +210,7 @@ def test_proxies_smoke_then_read_back_and_the_time_limit(tmp_path):
     assert ran["jpeg-q50"]["difference"] == round(ran["jpeg-q50"]["knn_top1"] - ran["default"]["knn_top1"], 2)
     args = json.load(open(out / "jpeg-q50" / "args.json"))
     assert args["data"] == args["knn_data"] == str(out / "data-q50") and args["epochs"] == 1
-    assert args["tau"] == 0.2 and args["tau_m"] == 0.1 and args["split_bn"] == "momentum"
+    assert args["tau"] == 0.2 and args["tau_m"] == 0.1 and args["split_bn"] == "all"
     assert sorted(os.listdir(out / "data-q50" / "train")) == ["class_000", "class_001"]  # SMOKE's copy, re-encoded
     assert "| jpeg-q50 | the data re-encoded at quality 50" in (out / "results.md").read_text()
     logs = {name: (out / f"{name}.log").read_text() for name in ran}
@@ -161,3 +239,18 @@ def test_proxies_refuse_jpeg_variants_of_official_files_before_running(tmp_path)
     assert len(said.stderr.strip().splitlines()) == 1 and "=== " not in said.stdout
     said = proxies("--data", tmp_path / "data", "--out", tmp_path / "out2", "--dry-run", "--variants", "default")
     assert said.returncode == 0 and "--dataset cifar10" in said.stdout, said.stderr
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--time-limit", "nan"], "--time-limit nan is not a number of seconds"),
+    (["--time-limit", "-1"], "--time-limit -1.0 is not a number of seconds"),
+    (["--time-limit", "inf"], "--time-limit inf is not a number of seconds"),
+    (["--variants", "default", "jpeg-q999"], "jpeg-q999: JPEG quality 999 is outside PIL's 1-95"),
+])
+def test_proxies_refuse_limits_and_qualities_that_cannot_run_before_anything_runs(tmp_path, flags, said):
+    """A limit that is no number of seconds would stop each variant at once and exit 75 ("run the same command
+    again": a loop for a wrapper that reruns on 75); a quality PIL refuses would fail after earlier variants."""
+    data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=1, size=16)
+    proc = proxies("--data", data, "--out", tmp_path / "out", "--dry-run", *flags)
+    assert proc.returncode == 1 and proc.stderr.startswith(f"error: {said}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "=== " not in proc.stdout
