@@ -315,7 +315,12 @@ def summary_writer(output_dir):
     except ImportError:
         print("tensorboard is not installed: no TensorBoard scalars", flush=True)
         return None
-    return Events(SummaryWriter(output_dir), output_dir)
+    events = Events(None, output_dir)  # first: the writer's thread writes (and may fail) in its constructor
+    try:
+        events.writer = SummaryWriter(output_dir)
+    except OSError as e:  # a full disk
+        return events.failed(e)
+    return events
 
 
 class Events:
@@ -333,10 +338,13 @@ class Events:
             try:
                 return getattr(self.writer, name)(*args, **kwargs) if self.writer else None
             except OSError as e:
-                print(f"=> TensorBoard could not write to {self.output_dir} ({e.strerror}): no more of its events in "
-                      "this run", flush=True)
-                self.writer = None
+                return self.failed(e)
         return call
+
+    def failed(self, error):
+        print(f"=> TensorBoard could not write to {self.output_dir} ({error.strerror}): no more of its events in "
+              "this run", flush=True)
+        self.writer = None
 
 
 def _quiet_tensorboard(hook):

@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, assert_same_state, assert_trained, load, loss_hook, pretrain, sends_signal_at,
-                      write_imagefolder)
+from conftest import (REPO, TINY, assert_same_state, assert_trained, exit_message, load, loss_hook, pretrain,
+                      sends_signal_at, write_imagefolder)
 import main_pretrain
 from sce import UserError, checkpoint, cli, outdir, timing
 from sce.epoch import estimate_due, log_epoch
@@ -360,6 +360,25 @@ def test_disk_full_keeps_previous_checkpoint(small, tmp_path, monkeypatch, capsy
     assert last.read_bytes() == before and checkpoint.load(str(last))["epoch"] == 1
     assert {name: (out / name).read_bytes() for name in kept} == kept
     assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+@pytest.mark.parametrize("script", ["main_pretrain.py", "main_lincls.py"])
+def test_a_disk_full_as_tensorboard_starts_is_one_line(small, pretrained, tmp_path, monkeypatch, capsys, script):
+    """TensorBoard's writer writes its first event in its constructor, from its own thread: on a full disk, one line
+    and the run goes on, not the constructor's and the thread's tracebacks."""
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(gfile.LocalFileSystem, "write", full)
+    monkeypatch.setattr(gfile.LocalFileSystem, "append", full)
+    args = (["--data", small, "--epochs", "1"] + TINY if script == "main_pretrain.py" else
+            ["--data", write_imagefolder(tmp_path / "data", 2, 4, 16), "--pretrained", pretrained, "--epochs", "1",
+             "--batch-size", "4"])
+    assert exit_message(script, *args, "--output-dir", tmp_path / "out") is None
+    said, errors = capsys.readouterr()
+    assert said.count(f"=> TensorBoard could not write to {tmp_path / 'out'} (No space left on device): no more of "
+                      "its events in this run\n") == 1 and "Traceback" not in said + errors, said + errors
 
 
 def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp_path, monkeypatch):
