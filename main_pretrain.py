@@ -18,7 +18,7 @@ import torch
 
 from sce import UserError, cli, compiling, cuda_graph, data, knn, losses, outdir, timing
 from sce import distributed as du
-from sce.builder import ARCHS, build_model
+from sce.builder import ARCHS, build_model, build_trunk
 from sce.checkpoint import Writer
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs
 from sce.epoch import (Run, Schedules, Training, build_step, end_epoch, epochs_logged, finish, knn_due, log_epoch,
@@ -240,13 +240,29 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
     if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
         raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at "
                         f"least 2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
-    per_rank, sizes = args.batch_size // world_size, [args.crop_size] * 2 + args.local_crop_sizes
+    check_sizes(args, args.batch_size // world_size, device)
+    return bn_splits
+
+
+def check_sizes(args, per_rank, device):
+    """One line for a step's views, the heads or the queue larger by itself than all of the device's memory, naming
+    the flags that size it (the heads' sizes are Python ints: no tensor is made)."""
+    sizes = [args.crop_size] * 2 + args.local_crop_sizes
+    with torch.device("meta"):  # the trunk's feature size, nothing allocated
+        feat_dim = build_trunk(args.arch, args.small_input)[1]
+    dims = [feat_dim] + args.proj_hidden_dims + [args.proj_dim]
+    pred = [args.proj_dim] + args.pred_hidden_dims + [args.proj_dim] if args.pred_hidden_dims else []
+    heads = 2 * sum(a * b for a, b in zip(dims, dims[1:])) + sum(a * b for a, b in zip(pred, pred[1:]))
     keys = args.queue_size * (args.proj_dim + per_rank * (2 if args.symmetric else 1)) * 4  # and their logits
+    widths = {f"--{name.replace('_', '-')}": " ".join(map(str, getattr(args, name))) for name in
+              ("proj_hidden_dims", "pred_hidden_dims") if getattr(args, name)} | {"--proj-dim": args.proj_dim}
     cli.check_memory(device, {
         f"--batch-size {args.batch_size} with --crop-size {args.crop_size}: one step's views in float32":
             (per_rank * sum(3 * s * s for s in sizes) * 4, "lower --batch-size or --crop-size"),
-        f"--queue-size {args.queue_size}: the queue and one step's logits against it": (keys, "lower --queue-size")})
-    return bn_splits
+        f"the heads of {' '.join(f'{k} {v}' for k, v in widths.items())}: their weights in float32, online and "
+        "momentum": (heads * 4, f"lower {' or '.join(widths)}"),
+        f"--queue-size {args.queue_size} keys of --proj-dim {args.proj_dim}: the queue and one step's logits against "
+        "it": (keys, "lower --queue-size or --proj-dim")})
 
 
 def resolve_device_defaults(args, device, world_size):

@@ -1,5 +1,5 @@
 """The datasets, one row each (`DATASETS`: how each is read, its official download, its native size, its recipe),
-and their files listed and checked whole without decoding an image and without torch (benchmarks/reproduce.sh
+and their files listed and checked whole without decoding an image and without torch (benchmarks/reproduction/reproduce.sh
 checks its data with them in a second; sce.data.files reads through them): an ImageFolder's class folders and
 image files (a folder loop refused), CIFAR's python batches (each batch's images against its labels), STL-10's
 binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
@@ -14,12 +14,13 @@ from sce import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Files:
-    """The files of an official download read from its folder (train, test, meta), as torchvision reads them, and
-    the name torchvision gives the dataset."""
+    """The files of an official download read from its folder (train, test, meta), as torchvision reads them, the
+    name torchvision gives the dataset, and its number of classes (labels 0 to classes - 1)."""
     train: tuple
     test: tuple
     meta: tuple
     name: str
+    classes: int = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Download:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """RECIPES.md's setting of a dataset of the baselines table (Sec. 4.2; supp.), the one benchmarks/reproduce.sh
+    """RECIPES.md's setting of a dataset of the baselines table (Sec. 4.2; supp.), the one benchmarks/reproduction/reproduce.sh
     runs: the EMA momentum, the queue, and SCE's best temperatures (supp. Table 10)."""
     ema_momentum: float
     queue_size: int
@@ -72,7 +73,7 @@ DATASETS = {
         native_size=32, recipe=Recipe(0.99, 4096, tau=0.2, tau_m=0.1), image_folders=True),
     "cifar100": Dataset(
         "cifar-batches", Download("cifar-100-python", "CIFAR-100's python batches",
-                                  files=Files(("train",), ("test",), ("meta",), "CIFAR100")),
+                                  files=Files(("train",), ("test",), ("meta",), "CIFAR100", 100)),
         native_size=32, recipe=Recipe(0.99, 4096, tau=0.1, tau_m=0.08), image_folders=True),
     "stl10": Dataset(
         "stl10-binaries", Download("stl10_binary", "STL-10's binaries", ("train_X.bin",), Files(
@@ -211,7 +212,8 @@ def official_folder(dataset, root):
     if missing:
         raise UserError(f"{os.path.join(folder, missing[0])} not found: {what} needs {', '.join(names)} "
                         f"in {base}/ under --data")
-    damaged = short_binary(folder, names) if row.reader == "stl10-binaries" else damaged_batch(folder, names)
+    damaged = (short_binary(folder, names) if row.reader == "stl10-binaries" else
+               damaged_batch(folder, names, files.classes))
     if damaged:
         raise UserError(f"{damaged}: download {what} again")
     return root, folder
@@ -353,9 +355,10 @@ def short_binary(folder, names):
     return None
 
 
-def damaged_batch(folder, names):
+def damaged_batch(folder, names, classes=10):
     """'PATH ...' for the first CIFAR file cut short or damaged, calling what a batch does not (a pickle that would
-    run code), or a batch whose images are not rows of 3072 bytes as many as its labels, else None."""
+    run code), or a batch whose images are not rows of 3072 bytes as many as its labels, or whose labels are not of
+    its `classes`, else None."""
     for name in [n for n in names if not n.endswith(".bin")]:
         path = os.path.join(folder, name)
         try:
@@ -374,6 +377,9 @@ def damaged_batch(folder, names):
                     f"(N, {CIFAR_IMAGE}) uint8")
         if shape[0] != len(found):
             return f"{path} holds {shape[0]} images for {len(found)} labels"
+        odd = [t for t in found if not isinstance(t, (int, np.integer)) or not 0 <= t < classes]
+        if odd:
+            return f"{path} holds the label {odd[0]!r}, not one of its {classes} classes (0 to {classes - 1})"
     return None
 
 

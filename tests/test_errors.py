@@ -15,14 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import (TINY, class_image, exit_message, load, run_script, write_cifar, write_imagefolder,
-                      write_tiny_imagenet)
+from conftest import (TINY, class_image, exit_message, load, python2_pickle, run_script, write_cifar,
+                      write_imagefolder, write_tiny_imagenet)
 import main_lincls
 import main_lowshot
 import main_pretrain
 from sce import UserError, cli
 from sce.builder import build_trunk
 from sce.compiling import error_line
+from sce.layouts import read_batch
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers restored
 
@@ -444,14 +445,35 @@ def test_seeds_in_range_serve_every_use_and_others_are_one_line(tmp_path):
              "--seed must lie in [0, 4294967295] (scikit-learn's cross-validation takes 32-bit seeds) (got 4294967296)")
 
 
+@pytest.mark.parametrize("label", [99, -1])
+def test_cifar_labels_outside_its_classes_are_one_line(pretrained, tmp_path, label):
+    """A CIFAR batch labelled outside 0-9: the file and the label named at start, not an IndexError mid-run."""
+    folder = write_cifar(tmp_path / "cifar")
+    batch = read_batch(folder / "data_batch_3")
+    batch["labels"][2] = label
+    (folder / "data_batch_3").write_bytes(python2_pickle(batch))
+    one_line(main_lincls.main, ["--data", str(tmp_path / "cifar"), "--dataset", "cifar10", "--pretrained", pretrained,
+                                "--epochs", "1", "--output-dir", str(tmp_path / "o")],
+             f"error: {folder / 'data_batch_3'} holds the label {label}, not one of its 10 classes (0 to 9): download "
+             "CIFAR10 again")
+
+
 def test_sizes_that_cannot_fit_are_one_line(pretrained, data, tmp_path, capsys):
     """A batch, crop or queue whose tensors alone exceed all of the memory is refused at start, naming the flag and
     the figure; main_lincls.py's --workers is capped to the cores first, with its line."""
     base = ["--data", data, "--output-dir", str(tmp_path / "o")] + TINY
     one_line(main_pretrain.main, base + ["--crop-size", "1000000"], "--batch-size 8 with --crop-size 1000000: one "
              "step's views in float32 need 178813.9 GiB alone, more than all of this machine's memory (")
-    one_line(main_pretrain.main, base + ["--queue-size", str(8 * 10 ** 12)], f"--queue-size {8 * 10 ** 12}: the queue "
-             "and one step's logits against it need 715255.7 GiB alone, more than all of this machine's memory (")
+    one_line(main_pretrain.main, base + ["--queue-size", str(8 * 10 ** 12)], f"--queue-size {8 * 10 ** 12} keys of "
+             "--proj-dim 16: the queue and one step's logits against it need 715255.7 GiB alone, more than all of this "
+             "machine's memory (")
+    # the heads' widths, never a queue of 32 keys blamed for them, nor numpy's "can't allocate memory"
+    one_line(main_pretrain.main, base + ["--proj-dim", str(10 ** 12)], "error: the heads of --proj-hidden-dims 32 "
+             f"--proj-dim {10 ** 12}: their weights in float32, online and momentum need 238418.6 GiB alone, more than "
+             "all of this machine's memory (")
+    message = one_line(main_pretrain.main, base + ["--proj-hidden-dims", str(10 ** 11)], f"error: the heads of "
+                       f"--proj-hidden-dims {10 ** 11} --proj-dim 16: their weights in float32, online and momentum")
+    assert message.endswith("lower --proj-hidden-dims or --proj-dim"), message
     cores = cli.cores_per_rank()
     one_line(main_lincls.main, ["--data", data, "--pretrained", pretrained, "--batch-size", str(10 ** 12), "--workers",
                                 str(cores + 1), "--output-dir", str(tmp_path / "l")],
