@@ -33,16 +33,24 @@ def stop_while_importing(script):
 def temporary(path):
     """The temporary file a write of `path` goes through before its rename (hidden, beside it, named after this
     process), once those of writers killed mid-write (SIGKILL, the out-of-memory killer) are removed: a checkpoint's
-    would fill the disk. A live process's is its write in progress."""
+    would fill the disk; so are the second names of checkpoints such a writer was making in the folder (.NAME.linkPID,
+    sce.checkpoint.link_atomic). A live process's is its write in progress."""
     folder, name = os.path.split(os.path.abspath(path))
-    for stale in glob.glob(os.path.join(folder, f".{glob.escape(name)}.tmp*")):
-        pid = stale.rsplit(".tmp", 1)[1]
-        if not pid.isdigit() or int(pid) == os.getpid() or not alive(int(pid)):
+    remove_stale(glob.glob(os.path.join(folder, f".{glob.escape(name)}.tmp*")), ".tmp", mine=True)
+    remove_stale(glob.glob(os.path.join(folder, ".*.link[0-9]*")), ".link", mine=False)
+    return os.path.join(folder, f".{name}.tmp{os.getpid()}")
+
+
+def remove_stale(paths, mark, mine):
+    """Remove each of `paths` (NAME + mark + PID) of a process gone, or not named after a PID; `mine`: this process's
+    too (a file of its own write of the same name, which it is starting again)."""
+    for stale in paths:
+        pid = stale.rsplit(mark, 1)[1]
+        if not pid.isdigit() or (mine and int(pid) == os.getpid()) or not alive(int(pid)):
             try:
                 os.remove(stale)
             except OSError:
                 pass
-    return os.path.join(folder, f".{name}.tmp{os.getpid()}")
 
 
 def write_file(path, text):
@@ -61,7 +69,7 @@ def write_file(path, text):
 
 def alive(pid):
     """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended). Here, without
-    torch: benchmarks/reproduce_tools.py asks it too."""
+    torch: benchmarks/reproduction/reproduce_tools.py asks it too."""
     if os.path.isdir("/proc"):
         try:
             with open(f"/proc/{pid}/stat") as f:

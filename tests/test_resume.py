@@ -423,6 +423,30 @@ def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.pth"]
 
 
+def test_a_second_name_left_by_a_kill_is_removed_as_the_next_run_starts(small, tmp_path, monkeypatch):
+    """A kill -9 between the numbered checkpoint's link and its rename leaves .checkpoint_NNNN.pth.linkPID, a
+    checkpoint's size: the next run removes it as it starts, as it does a dead writer's temporary file (a live
+    process's is a save in progress: kept)."""
+    out, real_replace = tmp_path / "out", os.replace
+    out.mkdir()
+
+    def killed_at_the_rename(src, dst):
+        if ".link" in src:
+            raise SystemExit("killed")  # not an Exception: nothing is cleaned up, as after a kill
+        real_replace(src, dst)
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed_at_the_rename)
+        with pytest.raises(SystemExit):
+            checkpoint.save({"epoch": 2}, str(out), numbered=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.rename(out / f".checkpoint_0002.pth.link{os.getpid()}", out / f".checkpoint_0002.pth.link{dead.pid}")
+    live = out / f".checkpoint_0007.pth.link{os.getppid()}"
+    live.write_bytes(b"")
+    pretrain(small, out, "--epochs", 1, "--save-freq", 5)
+    assert [f for f in os.listdir(out) if ".link" in f or ".tmp" in f] == [live.name]
+
+
 def test_a_checkpoint_write_failing_otherwise_than_oserror_is_one_line(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint_last.pth"
     checkpoint.save_atomic({"epoch": 1}, str(path))
