@@ -381,6 +381,20 @@ def test_a_disk_full_as_tensorboard_starts_is_one_line(small, pretrained, tmp_pa
                       "its events in this run\n") == 1 and "Traceback" not in said + errors, said + errors
 
 
+def killed_at_the_rename(monkeypatch, state, out, where):
+    """checkpoint.save(state, out, numbered=True) killed at the first os.replace(src, dst) that `where` picks."""
+    real_replace = os.replace
+
+    def killed(src, dst):
+        if where(src, dst):
+            raise SystemExit("killed")  # not an Exception: nothing is cleaned up, as after a kill
+        real_replace(src, dst)
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed)
+        with pytest.raises(SystemExit):
+            checkpoint.save(state, str(out), numbered=True)
+
+
 def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp_path, monkeypatch):
     """The numbered checkpoint is checkpoint_last.pth's file under a second name (nothing written twice), made before
     checkpoint_last.pth is replaced (a kill between the two keeps both epochs), and keeps its bytes when the next save
@@ -388,16 +402,8 @@ def test_the_numbered_checkpoint_is_a_second_name_or_a_copy_that_fails_whole(tmp
     copy failing on a full disk: one line naming it, the previous checkpoint_last.pth kept, no numbered file and no
     temporary file left."""
     checkpoint.save({"epoch": 9}, str(tmp_path))
-    real_replace, last = os.replace, tmp_path / "checkpoint_last.pth"
-
-    def killed_at_the_rename(src, dst):
-        if dst == str(last):
-            raise SystemExit("killed")  # not an Exception: nothing is cleaned up, as after a kill
-        real_replace(src, dst)
-    with monkeypatch.context() as m:
-        m.setattr(os, "replace", killed_at_the_rename)
-        with pytest.raises(SystemExit):
-            checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)
+    last = tmp_path / "checkpoint_last.pth"
+    killed_at_the_rename(monkeypatch, {"epoch": 10}, tmp_path, lambda src, dst: dst == str(last))
     numbered = tmp_path / "checkpoint_0010.pth"
     assert checkpoint.load(str(numbered))["epoch"] == 10 and checkpoint.load(str(last))["epoch"] == 9
     checkpoint.save({"epoch": 10}, str(tmp_path), numbered=True)  # the rerun's save; the dead one's temporary removed
@@ -427,17 +433,9 @@ def test_a_second_name_left_by_a_kill_is_removed_as_the_next_run_starts(small, t
     """A kill -9 between the numbered checkpoint's link and its rename leaves .checkpoint_NNNN.pth.linkPID, a
     checkpoint's size: the next run removes it as it starts, as it does a dead writer's temporary file (a live
     process's is a save in progress: kept)."""
-    out, real_replace = tmp_path / "out", os.replace
+    out = tmp_path / "out"
     out.mkdir()
-
-    def killed_at_the_rename(src, dst):
-        if ".link" in src:
-            raise SystemExit("killed")  # not an Exception: nothing is cleaned up, as after a kill
-        real_replace(src, dst)
-    with monkeypatch.context() as m:
-        m.setattr(os, "replace", killed_at_the_rename)
-        with pytest.raises(SystemExit):
-            checkpoint.save({"epoch": 2}, str(out), numbered=True)
+    killed_at_the_rename(monkeypatch, {"epoch": 2}, out, lambda src, dst: ".link" in src)
     dead = subprocess.Popen(["true"])
     dead.wait()
     os.rename(out / f".checkpoint_0002.pth.link{os.getpid()}", out / f".checkpoint_0002.pth.link{dead.pid}")
