@@ -1,0 +1,114 @@
+"""sce.plot: the curves read from a real run's log.txt (always), the figures it draws (where matplotlib is
+installed: it is not in requirements.txt) and its one-line errors, matplotlib missing among them."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from conftest import REPO, pretrain, script_in_process, write_imagefolder
+from sce import UserError, plot
+from sce.timing import PARTS
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two run folders: a real tiny run (2 epochs, the kNN monitor at each; ~2 s), and a copy of it made longer, with
+    the online probe's keys a later change adds (validation top-1 at the kNN epochs, running train top-1 each)."""
+    root = tmp_path_factory.mktemp("plot")
+    data = write_imagefolder(root / "data", num_classes=2, per_class=8, size=20, splits=("",))
+    knn = write_imagefolder(root / "knn", num_classes=2, per_class=4, size=20)
+    with script_in_process():
+        pretrain(data, root / "real", "--epochs", 2, "--knn-data", knn, "--knn-every", 1)
+    real = [json.loads(line) for line in open(root / "real" / "log.txt")]
+    longer = []
+    for epoch in range(1, 31):
+        row = {k: v for k, v in real[-1].items() if not k.startswith("knn_")}
+        row.update(epoch=epoch, loss=8 - epoch / 10, online_train_top1=2 * epoch)
+        if epoch % 10 == 0:
+            row.update(knn_top1=40 + epoch, knn_top5=90.0, online_top1=30 + epoch)
+        longer.append(json.dumps(row))
+    os.makedirs(root / "longer")
+    (root / "longer" / "log.txt").write_text("\n".join(longer) + "\n")
+    (root / "longer" / "timing.txt").write_text((root / "real" / "timing.txt").read_text() * 2)  # two invocations
+    return root / "real", root / "longer"
+
+
+def test_curves_read_from_runs(runs, tmp_path):
+    real, longer = runs
+    curves = plot.curves(plot.read_log(real))
+    assert list(curves) == ["loss", "terms", "accuracy", "schedule"]
+    assert list(curves["terms"]) == ["infonce", "ressl", "ceil"]  # SCE logs eq. 10's three terms
+    assert list(curves["accuracy"]) == ["knn_top1"] and curves["accuracy"]["knn_top1"][0] == [1, 2]
+    assert list(curves["schedule"]) == ["lr", "momentum"] and curves["loss"]["loss"][0] == [1, 2]
+    accuracy = plot.curves(plot.read_log(longer))["accuracy"]
+    assert accuracy["knn_top1"] == ([10, 20, 30], [50, 60, 70]) and accuracy["online_top1"][0] == [10, 20, 30]
+    assert accuracy["online_train_top1"][0] == list(range(1, 31))
+    # no kNN, no probe: no accuracy panel; an epoch written twice (a completed line): its last
+    rows = [{"epoch": 2, "loss": 3.0}, {"epoch": 1, "loss": 5.0}, {"epoch": 2, "loss": 4.0, "lr": float("nan")}]
+    (tmp_path / "log.txt").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot.curves(plot.read_log(tmp_path)) == {"loss": {"loss": ([1, 2], [5.0, 4.0])}}
+    # the time split: timing.txt's invocations summed, given the folder or the file
+    split = plot.time_split(plot.timing_folder(str(longer / "timing.txt")))
+    assert split == pytest.approx({p: 2 * plot.time_split(real)[p] for p in PARTS})
+    assert plot.run_labels([str(real), str(longer)]) == ["real", "longer"]
+    assert plot.run_labels(["a/sce", "b/sce"]) == ["a/sce", "b/sce"]  # alike names: their paths
+
+
+def test_figures_of_two_runs_and_the_time_split(runs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the one test that draws; the others run without it
+    real, longer = runs
+    out = tmp_path / "fig.png"
+    plot.run([str(real), str(longer), "-o", str(out), "--paper", "90.34", "--title", "two runs"])
+    assert "loss, loss terms, top-1 (%), lr / EMA momentum of 2 run(s)" in capsys.readouterr().out
+    assert Image.open(out).format == "PNG" and Image.open(out).size == (1000, 600)
+    assert out.stat().st_size < 200_000  # committed to the repository
+    assert plot.plot_runs([real], tmp_path / "one.png", labels=["sce"]) == ["loss", "terms", "accuracy", "schedule"]
+    split = tmp_path / "split.png"
+    plot.run(["--time-split", str(real), str(longer / "timing.txt"), "-o", str(split)])
+    assert Image.open(split).size[0] == 1000 and split.stat().st_size < 200_000
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary file left
+
+
+def errors(capsys, *argv):
+    """plot.run(argv)'s exit status and its stderr, which must be one line."""
+    with pytest.raises(SystemExit) as stop:
+        plot.run([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return stop.value.code, err
+
+
+def test_one_line_errors(runs, tmp_path, capsys, monkeypatch):
+    real, _ = runs
+    out = tmp_path / "fig.png"
+    code, err = errors(capsys, tmp_path / "none", "-o", out)
+    assert code == 1 and f"{tmp_path / 'none'} has no log.txt: sce.plot needs a pretraining run's output folder" in err
+    (tmp_path / "log.txt").write_text("")
+    assert f"{tmp_path / 'log.txt'} is empty" in errors(capsys, tmp_path, "-o", out)[1]
+    (tmp_path / "log.txt").write_text('{"epoch": 1, "loss": 2.0}\n{"loss": 1.0}\n')
+    assert "line 2 of" in errors(capsys, tmp_path, "-o", out)[1]
+    (tmp_path / "log.txt").write_text('{"epoch": 1}\n\n')
+    assert f"nothing to draw: no epoch of {tmp_path} has a loss" in errors(capsys, tmp_path, "-o", out)[1]
+    assert "--labels has 1 label(s) for 2 run folder(s)" in errors(capsys, real, real, "--labels", "a", "-o", out)[1]
+    assert "no folder" in errors(capsys, real, "-o", tmp_path / "missing" / "fig.png")[1]
+    assert f"{tmp_path} has no timing.txt line" in errors(capsys, "--time-split", tmp_path, "-o", out)[1]
+    # matplotlib missing: one line naming the install, exit 2, nothing written
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert errors(capsys, real, "-o", out) == (2, "error: drawing figures needs matplotlib: pip install matplotlib\n")
+    with pytest.raises(plot.NoMatplotlib):
+        plot.plot_time_split([dict(stage="a", steps=1.0)], out)
+    assert not out.exists()
+    with pytest.raises(UserError, match="no stage"):
+        plot.plot_time_split([], out)
+
+
+def test_the_command_line(tmp_path):
+    # as users run it: its own process, no torch imported, the error on stderr
+    proc = subprocess.run([sys.executable, "-m", "sce.plot", str(tmp_path), "-o", str(tmp_path / "f.png")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith(f"error: {tmp_path} has no log.txt") and not proc.stdout
+    probe = "import sys, sce.plot; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=REPO, timeout=60).returncode == 0
