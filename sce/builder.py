@@ -210,7 +210,7 @@ class MomentumModel(nn.Module):
 
     def shuffle_order(self, n, device):
         """The momentum branch's order of a global batch of n (shuffle-BN): rand + argsort, a permutation drawn on the
-        device, which a CUDA graph captures (sce.cuda_graph). benchmarks/step_equality.py sets the authors' here."""
+        device, which a CUDA graph captures (sce.cuda_graph). benchmarks/fidelity/step_equality.py sets the authors' here."""
         return torch.rand(n, device=device).argsort()
 
     def _momentum(self, x):

@@ -275,7 +275,7 @@ def one_line(error):
     return re.sub(r"^[\w.]+: ", "", text.splitlines()[-1])  # without the exception's name
 
 
-PARENT_PID = "SCE_PARENT_PID"  # set by benchmarks/reproduce.sh: its stages stop when it dies
+PARENT_PID = "SCE_PARENT_PID"  # set by benchmarks/reproduction/reproduce.sh: its stages stop when it dies
 
 
 def stop_with_parent():

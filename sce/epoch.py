@@ -184,7 +184,7 @@ class Tally:
 
 
 def one_step(run, step, views, tally):
-    """Global step `step` as main_pretrain.py runs it, and benchmarks/bench_pretrain.py times it: the lr (into the
+    """Global step `step` as main_pretrain.py runs it, and benchmarks/speed/bench_pretrain.py times it: the lr (into the
     optimizer) and lambda (into the criterion's) of the step, the step (run.step) with the step's EMA momentum, its
     outcome added to `tally`."""
     s = run.schedules
@@ -328,7 +328,7 @@ def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
 def estimate(run, done, stats, split):
     """After the first whole epoch of this invocation (`stats` its line): what it measured, the stage's time at those
     rates (its remaining epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json
-    (benchmarks/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The rest of an
+    (benchmarks/reproduction/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The rest of an
     epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an epoch."""
     args, (parts, wall), earlier = run.args, split.report(), split.earlier_wall(run.args.output_dir)
     epoch_s = run.steps_per_epoch * args.batch_size / max(stats["images_per_s"], 1e-9)
@@ -336,7 +336,7 @@ def estimate(run, done, stats, split):
     end_s = parts["epoch_ends"] / max(1, done - run.first_step // run.steps_per_epoch)  # an epoch's end
     knn_left = sum(knn_due(args, e) for e in range(done + 1, args.epochs + 1)) if run.monitor else 0
     left = (args.epochs - done) * (epoch_s + end_s) + knn_left * knn_s
-    # the whole stage afresh at these rates (another method's, in benchmarks/reproduce.sh's row estimate)
+    # the whole stage afresh at these rates (another method's, in benchmarks/reproduction/reproduce.sh's row estimate)
     knn_runs = sum(knn_due(args, e, e == 1) for e in range(1, args.epochs + 1)) if run.monitor else 0
     whole = parts["startup"] + parts["compiling"] + args.epochs * (epoch_s + end_s) + knn_runs * knn_s
     forward = run.monitor.images / knn_s if run.monitor and run.monitor.images and knn_s > 0 else None

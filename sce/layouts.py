@@ -1,4 +1,4 @@
-"""The datasets, one row each (`DATASETS`: how each is read, its official download, its native size, its recipe),
+"""The datasets, one row each (`DATASETS`: how each is read, its official download, its native size),
 and their files listed and checked whole without decoding an image and without torch (benchmarks/reproduction/reproduce.sh
 checks its data with them in a second; sce.data.files reads through them): an ImageFolder's class folders and
 image files (a folder loop refused), CIFAR's python batches (each batch's images against its labels), STL-10's
@@ -34,16 +34,6 @@ class Download:
 
 
 @dataclasses.dataclass(frozen=True)
-class Recipe:
-    """RECIPES.md's setting of a dataset of the baselines table (Sec. 4.2; supp.), the one benchmarks/reproduction/reproduce.sh
-    runs: the EMA momentum, the queue, and SCE's best temperatures (supp. Table 10)."""
-    ema_momentum: float
-    queue_size: int
-    tau: float
-    tau_m: float
-
-
-@dataclasses.dataclass(frozen=True)
 class Dataset:
     """A --dataset. reader: its format, a branch of sce.data.files.build_dataset: folders (DATA/train and DATA/val
     class folders), annotated-val (DATA/train's class folders, val/images listed in val/val_annotations.txt, as
@@ -54,7 +44,6 @@ class Dataset:
     download: Download = None
     native_size: int = None
     class_list: str = None
-    recipe: Recipe = None
     image_folders: bool = False
 
     @property
@@ -63,26 +52,25 @@ class Dataset:
         return self.download is None or self.download.files is None
 
 
-# the recipes: queue and EMA momentum of the supp.'s small (CIFAR) and medium datasets, Table 10's best temperatures
 DATASETS = {
     "imagefolder": Dataset("folders"),
     "imagenet100": Dataset("folders", class_list="imagenet100.txt"),
     "cifar10": Dataset(
         "cifar-batches", Download("cifar-10-batches-py", "CIFAR-10's python batches", ("data_batch_1",), Files(
             tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), ("batches.meta",), "CIFAR10")),
-        native_size=32, recipe=Recipe(0.99, 4096, tau=0.2, tau_m=0.1), image_folders=True),
+        native_size=32, image_folders=True),
     "cifar100": Dataset(
         "cifar-batches", Download("cifar-100-python", "CIFAR-100's python batches",
                                   files=Files(("train",), ("test",), ("meta",), "CIFAR100", 100)),
-        native_size=32, recipe=Recipe(0.99, 4096, tau=0.1, tau_m=0.08), image_folders=True),
+        native_size=32, image_folders=True),
     "stl10": Dataset(
         "stl10-binaries", Download("stl10_binary", "STL-10's binaries", ("train_X.bin",), Files(
             ("train_X.bin", "train_y.bin", "unlabeled_X.bin"), ("test_X.bin", "test_y.bin"), (), "STL10")),
-        native_size=96, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.04)),
+        native_size=96),
     "tiny-imagenet": Dataset(
         "annotated-val", Download("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/images, val/images "
                                   "and val/val_annotations.txt)", ("wnids.txt",)),
-        native_size=64, recipe=Recipe(0.996, 16384, tau=0.1, tau_m=0.07))}
+        native_size=64)}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 STL_IMAGE = 3 * 96 * 96
 CIFAR_IMAGE = 3 * 32 * 32

@@ -105,7 +105,7 @@ def eq10_terms(args):
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A method whole: main_pretrain.py's --method NAME. Adding one is its loss function above and its record in
-    METHODS (and, for benchmarks/reproduce.sh, its row of the paper's table in reproduce_tools.py's PAPER)."""
+    METHODS (and, for benchmarks/reproduction/reproduce.sh, its row of the paper's table in reproduce_tools.py's PAPER)."""
     about: str  # what it optimises, for --help
     criterion: object  # (args, lam=None) -> functools.partial of its loss function with the run's settings
     tau: float  # --tau's default

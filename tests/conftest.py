@@ -250,7 +250,7 @@ class Replay:
     """A CPU stand-in for CudaGraphs: 'capture' runs nothing, 'replay' runs the captured function again
     on the same static inputs (what a CUDA graph does with them). It re-runs the function's Python, so a value
     read in Python at each call (a param group's float lr) is fresh here but would be frozen in a real graph:
-    the tests check that such values are device tensors; benchmarks/check_graph.py checks the real graph."""
+    the tests check that such values are device tensors; benchmarks/checks/check_graph.py checks the real graph."""
 
     def __init__(self, fail=False):
         self.fail, self.captures, self.replays = fail, 0, 0

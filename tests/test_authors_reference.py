@@ -1,4 +1,4 @@
-"""benchmarks/authors_reference.sh and .py, without the authors' code: bad input is one line, the commands are
+"""benchmarks/fidelity/authors_reference.sh and .py, without the authors' code: bad input is one line, the commands are
 RECIPES.md's CIFAR-10 line and their config's overrides, and their trunk comes out of a Lightning-style checkpoint
 as a state dict that our evaluation loads."""
 import importlib.util
@@ -17,7 +17,7 @@ from sce.builder import build_trunk
 from sce.checkpoint import load_trunk
 from test_recipes import COMMANDS
 
-SCRIPT = os.path.join(REPO, "benchmarks", "authors_reference.sh")
+SCRIPT = os.path.join(REPO, "benchmarks", "fidelity", "authors_reference.sh")
 ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
 
 
@@ -51,7 +51,7 @@ def test_bad_input_is_one_line(tmp_path):
     assert "unknown run 'theirs'" in error(authors, data, 2, ORDER="ours theirs")
     assert "holds no .whl files" in error(authors, data, 2, AUTHORS_WHEELS=str(tmp_path))
     assert "usage:" in run(authors).stderr and run(authors).returncode == 2
-    launcher = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "authors_reference.py"), "pretrain",
+    launcher = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "authors_reference.py"), "pretrain",
                                str(tmp_path), data, str(tmp_path / "run")], capture_output=True, text=True)
     assert launcher.returncode == 2 and launcher.stderr.startswith("error: ") and "not a checkout" in launcher.stderr
 
@@ -78,7 +78,7 @@ def test_dry_run_commands(tmp_path):
         "imagefolder", data, data, 3, 3, 42)
     assert (ours.tau, ours.tau_m, ours.queue_size) == (0.2, 0.1, 4096)  # RECIPES.md's, not a copy's
     theirs = found["authors_pretrain"]
-    assert theirs[1:5] == ["benchmarks/authors_reference.py", "pretrain", authors, data]
+    assert theirs[1:5] == ["benchmarks/fidelity/authors_reference.py", "pretrain", authors, data]
     for override in ("trainer.max_epochs=3", "callbacks.model_checkpoint.every_n_epochs=3", "seed.seed=42",
                      "~trainer.strategy", "+datamodule.train.transform._convert_=all",
                      "+datamodule.train.loader.shuffle=True"):  # one device has no DDP sampler to shuffle
@@ -96,7 +96,7 @@ def test_dry_run_commands(tmp_path):
 
 def load_launcher():
     spec = importlib.util.spec_from_file_location("authors_reference",
-                                                  os.path.join(REPO, "benchmarks", "authors_reference.py"))
+                                                  os.path.join(REPO, "benchmarks", "fidelity", "authors_reference.py"))
     launcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launcher)
     return launcher

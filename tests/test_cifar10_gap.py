@@ -1,4 +1,4 @@
-"""The benchmarks that measure the CIFAR-10 gap (benchmarks/reencode.py, calibrate_jpeg.py, proxies.py), on small
+"""The benchmarks that measure the CIFAR-10 gap (benchmarks/fidelity/reencode.py, calibrate_jpeg.py, proxies.py), on small
 files written here: the re-encoded copy's tree, sampling and quality; airbench's data pair from an ImageFolder;
 the proxies runner's SMOKE mode, its results read back and its time limit."""
 import importlib.util
@@ -22,7 +22,7 @@ CIFAR10 = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "hors
 
 
 def bench(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", "fidelity", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -170,7 +170,7 @@ def test_calibration_runs_airbenchs_files_unchanged_on_the_cpu_in_fp32(tmp_path)
             tar.addfile(info, io.BytesIO(text.encode()))
     write_jpegs(tmp_path / "data" / "train", CIFAR10, 1)
     write_jpegs(tmp_path / "data" / "val", CIFAR10, 1)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "calibrate_jpeg.py"), "--data",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "calibrate_jpeg.py"), "--data",
                            tmp_path / "data", "--out", tmp_path / "out", "--airbench", sdist, "--device", "cpu",
                            "--runs", "2", "--workers", "1"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
@@ -185,7 +185,7 @@ def test_calibration_runs_airbenchs_files_unchanged_on_the_cpu_in_fp32(tmp_path)
 
 
 def proxies(*args):
-    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "proxies.py"), *map(str, args)],
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "proxies.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
 

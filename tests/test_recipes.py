@@ -2,6 +2,7 @@
 import os
 import re
 import shlex
+import sys
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ import torch
 from conftest import REPO
 import main_pretrain
 from sce.layouts import DATASETS
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
+import reproduce_tools  # noqa: E402
 
 
 def recipe_commands():
@@ -37,17 +41,19 @@ COMMANDS = recipe_commands()
 
 
 def test_recipes_cover_the_paper():
-    """Every dataset of the baselines table (a row of sce.layouts.DATASETS with a recipe, what reproduce.sh runs)
-    has its line here, with the row's crop (its native size), EMA momentum, queue and temperatures."""
+    """Every dataset of the baselines table (reproduce_tools.py's PAPER, what reproduce.sh runs) has its line here,
+    at the row's crop (its native size); reproduce_tools.py reads these lines as this test does."""
     assert len(COMMANDS) >= 4 + 1 + 11 + 10 + 8 + 16 + 3 + 5 + 1
     datasets = {c[c.index("--dataset") + 1] for c in COMMANDS if "--dataset" in c}
-    table = [name for name, row in DATASETS.items() if row.recipe]
+    table = list(reproduce_tools.PAPER["sce"][1])
     assert datasets == {"cifar10", "cifar100", "stl10", "tiny-imagenet", "imagenet100"} == {*table, "imagenet100"}
     for name in table:
-        args = main_pretrain.parse_args(next(c for c in COMMANDS if f"--dataset {name} " in " ".join(c)))
-        row = DATASETS[name]
-        assert (args.crop_size, args.ema_momentum, args.queue_size, args.tau, args.tau_m) == (
-            row.native_size, row.recipe.ema_momentum, row.recipe.queue_size, row.recipe.tau, row.recipe.tau_m), name
+        line = next(c for c in COMMANDS if f"--dataset {name} " in " ".join(c))
+        args = main_pretrain.parse_args(line)
+        assert args.crop_size == DATASETS[name].native_size, name
+        flags = reproduce_tools.recipe_flags(name)
+        assert main_pretrain.parse_args(flags + ["--data", args.data, "--dataset", name, "--output-dir", args.output_dir]
+                                        ) == main_pretrain.parse_args(line), name
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[-60:] for c in COMMANDS])

@@ -1,4 +1,4 @@
-"""benchmarks/reencode.py's copy is whole or absent: every image and folder (linked ones once, a loop refused), no
+"""benchmarks/fidelity/reencode.py's copy is whole or absent: every image and folder (linked ones once, a loop refused), no
 two images into one file, no foreign or other copy overwritten, a copy cut short by kill -9 finished, and a failure
 or a stop leaving neither its partial copy nor its workers. (Its pixels: test_cifar10_gap.py.)"""
 import os
@@ -95,8 +95,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def run_reencode(args, until=None):
-    """benchmarks/reencode.py ARGS with each image opened slowly; SIGTERM once a worker opens one (`until`)."""
-    proc = subprocess.Popen([sys.executable, "-c", SLOW, os.path.join(REPO, "benchmarks", "reencode.py")] + args,
+    """benchmarks/fidelity/reencode.py ARGS with each image opened slowly; SIGTERM once a worker opens one (`until`)."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW, os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")] + args,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     workers = []
     for line in proc.stdout if until else ():

@@ -1,4 +1,4 @@
-"""benchmarks/reproduce.sh: the baselines table's small and medium datasets from their official files (written
+"""benchmarks/reproduction/reproduce.sh: the baselines table's small and medium datasets from their official files (written
 here in each format, a few images each): SMOKE=1 runs the whole script, its commands are RECIPES.md's settings,
 bad input is one line, and a signal reaches the running stage instead of orphaning it."""
 import collections
@@ -27,7 +27,7 @@ from test_recipes import COMMANDS
 
 PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]  # sce.timing's
 
-SCRIPT = os.path.join(REPO, "benchmarks", "reproduce.sh")
+SCRIPT = os.path.join(REPO, "benchmarks", "reproduction", "reproduce.sh")
 ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 WRITERS = {"cifar10": lambda root: write_cifar(root, 10, per_batch=4),  # 20 train, 4 test
            "cifar100": lambda root: write_cifar(root, 100, per_batch=16),
@@ -98,9 +98,6 @@ def test_bad_input_is_one_line(tmp_path):
     assert ("holds none of stl10's layouts: expected stl10_binary/ (STL-10's binaries, as downloaded)"
             in error("stl10", tmp_path / "empty"))
     assert "or train/ and val/ class folders of image files" in error("cifar10", tmp_path / "empty")
-    old = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "reproduce_cifar10.sh"), str(tmp_path / "empty")],
-                         capture_output=True, text=True, env=ENV)  # the former script: reproduce.sh cifar10
-    assert old.returncode == 1 and "holds none of cifar10's layouts" in old.stderr
     write_imagefolder(tmp_path / "folders", num_classes=2, per_class=2)
     assert "unknown method 'simclr'" in error("cifar10", tmp_path / "folders", METHODS="sce simclr")
     assert "METHODS is empty" in error("cifar10", tmp_path / "folders", METHODS=" ")
@@ -114,7 +111,7 @@ def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
     """Every file of an official layout, each CIFAR batch's images against its labels, every val image Tiny-ImageNet
     lists: named in one line before any training (reproduce_tools.check, as reproduce.sh runs it)."""
     tools = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
-        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduce_tools.py")))
+        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduction", "reproduce_tools.py")))
     tools.__spec__.loader.exec_module(tools)
 
     def error(dataset, data):
@@ -145,7 +142,7 @@ def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
     # whole files pass, and the check imports no torch (its 2-5 s before any stage)
     write_cifar(str(tmp_path / "whole"), 10, per_batch=10)
     probe = ("import runpy, sys\nsys.argv = ['reproduce_tools.py'] + sys.argv[1:]\n"
-             "runpy.run_path('benchmarks/reproduce_tools.py', run_name='__main__')\nprint('torch' in sys.modules)")
+             "runpy.run_path('benchmarks/reproduction/reproduce_tools.py', run_name='__main__')\nprint('torch' in sys.modules)")
     said = subprocess.run([sys.executable, "-c", probe, "check", "cifar10", str(tmp_path / "whole"),
                            str(tmp_path / "whole.env")], cwd=REPO, capture_output=True, text=True)
     assert said.returncode == 0 and said.stdout.splitlines()[-1] == "False", said.stdout + said.stderr
@@ -280,7 +277,7 @@ def test_smoke_reads_official_files_as_the_scripts_do(tmp_path):
     """SMOKE=1's small ImageFolder, written from an official layout with numpy and PIL alone (reproduce_tools.smoke:
     CIFAR's python batches, Tiny-ImageNet's val annotations), holds the images and labels sce.data reads."""
     tools = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
-        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduce_tools.py")))
+        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduction", "reproduce_tools.py")))
     tools.__spec__.loader.exec_module(tools)
     smoke = tools.SMOKE_IMAGES
     write_cifar(str(tmp_path / "cifar"), 10, per_batch=3)

@@ -369,13 +369,13 @@ def test_the_evaluations_compile_their_trunk_once(pretrained, tmp_path, monkeypa
 
 
 def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys, monkeypatch):
-    """benchmarks/bench_pretrain.py times what main_pretrain.py's loop runs each step (sce.epoch.one_step: the
+    """benchmarks/speed/bench_pretrain.py times what main_pretrain.py's loop runs each step (sce.epoch.one_step: the
     schedules, sce.epoch.build_step's step, the sums), global step after global step, and prints a JSON row a
     measurement: on CPU, preloaded, the step and end to end beside its two reference models."""
     from sce import epoch
     steps, one_step = [], epoch.one_step
     monkeypatch.setattr(epoch, "one_step", lambda run, step, *a: steps.append(step) or one_step(run, step, *a))
-    assert exit_message("benchmarks/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
+    assert exit_message("benchmarks/speed/bench_pretrain.py", "--device", "cpu", "--workers", "0", "--arch", "resnet18",
                         "--small-input", "--crop-size", "16", "--batch-size", "4", "--queue-size", "8",
                         "--proj-hidden-dims", "16", "--steps", "1", "--warmup", "1", "--preload", "--shuffle-bn",
                         "--bn-splits", "2", "--skip-data") is None

@@ -1,4 +1,4 @@
-"""benchmarks/step_equality.py's comparison without the authors' code: our step against a record of our own step
+"""benchmarks/fidelity/step_equality.py's comparison without the authors' code: our step against a record of our own step
 reads equal to the bit, a perturbed weight shows in the groups it reaches, their names and layouts map onto ours,
 and the BN order puts the same images in each group."""
 import copy
@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO
 
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "fidelity"))
 import step_equality as se  # noqa: E402
 
 SMALL = [{"512": "32", "128": "16", "4096": "64"}.get(f, f) for f in se.OURS_FLAGS]  # a small head and queue

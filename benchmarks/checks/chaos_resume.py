@@ -4,7 +4,7 @@ killed at random moments (SIGTERM to torchrun or, as SLURM does, to every proces
 process, sometimes while a checkpoint is being written), resumed with --resume auto after each kill
 until it completes, and its final model (weights, BN buffers, queue) compared with an uninterrupted run.
 
-    python benchmarks/chaos_resume.py --kills 6 --seed 0
+    python benchmarks/checks/chaos_resume.py --kills 6 --seed 0
 
 Prints one JSON line: kills by signal and mode, launches, checkpoints checked loadable after each
 kill, completed, max_abs_diff and equal against the uninterrupted run.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 sys.path.insert(0, REPO)
 from sce import UserError, alive, checkpoint  # noqa: E402
 

@@ -3,7 +3,7 @@
 engines) is from libjpeg-turbo (its CPU decoder, what the loader workers use), in 8-bit levels over every
 pixel of the JPEGs training sends there (sce.data.read_header's plain ones); exit 1 past the bounds.
 
-    python benchmarks/check_decode.py [--data DIR] [--images 64] [--max-mean 2] [--max-diff 80]
+    python benchmarks/checks/check_decode.py [--data DIR] [--images 64] [--max-mean 2] [--max-diff 80]
 
 Without --data, the benchmark's photos (500x375, quality 98); with it, the JPEGs under DIR.
 """
@@ -17,8 +17,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "speed"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 from photos import write_photos  # noqa: E402
 from sce.data import JpegDecoder, decode_rgb_tensor, read_header  # noqa: E402
 

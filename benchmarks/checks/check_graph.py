@@ -1,17 +1,18 @@
 #!/usr/bin/env python
-"""The CUDA-graph steps give the eager steps' numbers (for gpu_check.sh): two copies of RECIPES.md's CIFAR-10
-model (ResNet-18 small-input, the momentum encoder's BN split in 8, batch 256, queue 4096), the same views and lr,
-8 steps each, one through train_step, one through sce.epoch.build_step's CUDA graph (captured after its eager steps);
+"""The CUDA-graph steps give the eager steps' numbers (for benchmarks/gpu/check.sh): two copies of RECIPES.md's
+CIFAR-10 model (its line, read by reproduce_tools.py: ResNet-18 small-input, the paper's BN split in 2, batch 256,
+queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.epoch.build_step's CUDA graph (captured after its eager steps);
 losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
 at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
-Not covered: shuffle-BN's permutation, drawn in the graph from CUDA's generator in another order.
+Shuffle-BN's order is one fixed permutation in both runs (MomentumModel.shuffle_order): the graph would draw its
+own from CUDA's generator in another order.
 Then the linear probe's step (sce.probe.Step) the same way: a frozen ResNet-18 trunk (eager) and its head, 8 whole
 batches, a partial one (eager in both runs) and 3 whole ones, the lr changing at every step; the losses, the head
 and the epoch's sums must agree, and a non-finite loss at a replayed step must be recorded at its index; then the
 same pair with the trunk torch.compile'd (main_lincls.py's default on a GPU; --no-compiled-probe skips it).
 
-    python benchmarks/check_graph.py [--steps 8] [--no-compiled-probe]
+    python benchmarks/checks/check_graph.py [--steps 8] [--no-compiled-probe]
 """
 import argparse
 import functools
@@ -20,9 +21,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
+import main_pretrain  # noqa: E402
+from reproduce_tools import recipe_flags  # noqa: E402
 from sce import losses  # noqa: E402
-from sce.builder import MomentumModel, build_trunk  # noqa: E402
+from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import Log, compile_module  # noqa: E402
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, lr_as_tensors  # noqa: E402
 from sce.epoch import Training, build_step, train_step  # noqa: E402
@@ -40,18 +45,22 @@ device = torch.device("cuda")
 torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
+RECIPE = main_pretrain.parse_args(recipe_flags("cifar10") + ["--data", "unused"])
+BN_SPLITS = main_pretrain.check_args(RECIPE)
+ORDER = torch.randperm(RECIPE.batch_size, generator=torch.Generator().manual_seed(0)).to(device)
+
+
 def training(lam):
     torch.manual_seed(0)
-    model = MomentumModel(functools.partial(losses.sce_loss, lambda_=lam, tau=0.2, tau_m=0.1), arch="resnet18",
-                small_input=True, proj_hidden_dims=[512], proj_dim=256, proj_last_bn="none", queue_size=4096,
-                bn_splits=8).to(device)
-    optimizer = build_optimizer("sgd", model, 0.06, 5e-4)
+    criterion = functools.partial(losses.sce_loss, lambda_=lam, tau=RECIPE.tau, tau_m=RECIPE.tau_m)
+    model = build_model(RECIPE, criterion, BN_SPLITS).to(device)
+    model.shuffle_order = lambda n, dev: ORDER
+    optimizer = build_optimizer("sgd", model, RECIPE.lr, RECIPE.weight_decay)
     lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
-    terms = functools.partial(losses.loss_terms, tau=0.2, tau_m=0.1)
-    return Training(model, model, optimizer, terms=terms)
+    return Training(model, model, optimizer, terms=losses.logged_terms(RECIPE))
 
 
-views = [[torch.randn(256, 3, 32, 32, generator=torch.Generator().manual_seed(10 * s + v)).to(device)
+views = [[torch.randn(RECIPE.batch_size, 3, 32, 32, generator=torch.Generator().manual_seed(10 * s + v)).to(device)
           for v in range(2)] for s in range(args.steps)]
 runs = {}
 for name in ("eager", "graph"):
@@ -60,7 +69,7 @@ for name in ("eager", "graph"):
     step = functools.partial(train_step, t) if name == "eager" else build_step(t, graphs=CudaGraphs(device))
     out = []
     for s in range(args.steps):
-        set_lr(t.optimizer, cosine_lr(s, args.steps, 0.06, 2))
+        set_lr(t.optimizer, cosine_lr(s, args.steps, RECIPE.lr, 2))
         lam.fill_(0.5 + 0.05 * s)
         loss, finite, terms = step(views[s], 0.99 + 0.001 * s)
         # a graph's outputs are overwritten by its next replay: read them now

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Exit non-zero unless a main_pretrain.py output dir shows a run that trained (for gpu_check.sh):
+"""Exit non-zero unless a main_pretrain.py output dir shows a run that trained (for benchmarks/gpu/check.sh):
 every epoch of log.txt has a finite loss and no skipped step (--max-skipped), the online trunk turned
 away from the momentum one, and the checkpoint is at the expected position.
 
-    python benchmarks/check_run.py OUTPUT_DIR [--epoch E] [--step S] [--max-skipped N] [--knn RESULTS_JSON]
+    python benchmarks/checks/check_run.py OUTPUT_DIR [--epoch E] [--step S] [--max-skipped N] [--knn RESULTS_JSON]
 
 --knn: the kNN top-1 of main_lincls.py --knn on the checkpoint (its results_knn.json) must be the kNN monitor's
 of the last epoch (the same reader and classifier; compiled trunks may differ by a few images).
@@ -14,7 +14,7 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 from sce import checkpoint  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,10 +1,10 @@
 """The authors' SCE code (CEA-LIST/SCE, unedited, from a checkout the user names) on an ImageFolder, and their
 trunk out of its checkpoint as a torchvision state dict that main_lincls.py loads. Run with the interpreter of
-their environment (benchmarks/authors_reference.sh says which pins):
+their environment (benchmarks/fidelity/authors_reference.sh says which pins):
 
-    python benchmarks/authors_reference.py pretrain AUTHORS_DIR DATA_DIR RUN_DIR [HYDRA_OVERRIDE ...]
-    python benchmarks/authors_reference.py trunk CHECKPOINT OUT_PTH
-    python benchmarks/authors_reference.py unpack WHEELS_DIR SITE_DIR
+    python benchmarks/fidelity/authors_reference.py pretrain AUTHORS_DIR DATA_DIR RUN_DIR [HYDRA_OVERRIDE ...]
+    python benchmarks/fidelity/authors_reference.py trunk CHECKPOINT OUT_PTH
+    python benchmarks/fidelity/authors_reference.py unpack WHEELS_DIR SITE_DIR
 
 `pretrain` runs their run/pretrain.py with its CIFAR-10 configuration (resnet18_cifar10.yaml) on DATA_DIR/train
 (DATA_DIR/val must exist: their folder datamodule checks both), writing into RUN_DIR; a rerun resumes from the

@@ -6,7 +6,7 @@
 # a table and one JSON line each (also in OUT_DIR/results.json). If theirs reads what ours does, a gap to the paper
 # is the data's; if theirs reads higher, it is ours.
 #
-#   bash benchmarks/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR]   (OUT_DIR: runs/authors_reference)
+#   bash benchmarks/fidelity/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR]   (OUT_DIR: runs/authors_reference)
 #   PYTHON_AUTHORS=/path/python     their environment's interpreter (default: $PYTHON): PINS below, torch,
 #                                   torchvision, tensorboard, numpy, pillow, pyyaml (docs/benchmarks.md)
 #   AUTHORS_WHEELS=DIR              unpack those pins from DIR/*.whl first (no index: the GPU machine's way), into
@@ -24,7 +24,7 @@
 # in fp32. A rerun continues: their Lightning from the last checkpoint in OUT_DIR/authors/pretrain_checkpoints (saved
 # at every epoch's end), ours with --resume auto; finished stages are skipped. Each stage's output: OUT_DIR/*.log.
 #
-#   bash benchmarks/authors_reference.sh bundle AUTHORS_DIR [BUNDLE_DIR]   (BUNDLE_DIR: .authors, git-ignored)
+#   bash benchmarks/fidelity/authors_reference.sh bundle AUTHORS_DIR [BUNDLE_DIR]   (BUNDLE_DIR: .authors, git-ignored)
 # writes what a GPU machine without a package registry needs: their tree (BUNDLE_DIR/SCE, its HEAD where AUTHORS_DIR
 # is a git repository, bare or not) and the pins as wheels (BUNDLE_DIR/wheels, 3.4 MB): run there with
 # AUTHORS_WHEELS=BUNDLE_DIR/wheels.
@@ -35,7 +35,7 @@ if [ "${1:-}" = bundle ]; then
     [ -f "${2:-}/run/pretrain.py" ] || git -C "${2:-.}" cat-file -e HEAD:run/pretrain.py 2>/dev/null || {
         echo "error: '${2:-}' is not a checkout of CEA-LIST/SCE (no run/pretrain.py): pass the folder their" \
             "repository was cloned into" >&2; exit 2; }
-    BUNDLE=$(realpath -m "${3:-$(dirname "$0")/../.authors}")
+    BUNDLE=$(realpath -m "${3:-$(dirname "$0")/../../.authors}")
     rm -rf "$BUNDLE/SCE" "$BUNDLE/wheels" && mkdir -p "$BUNDLE/SCE" "$BUNDLE/wheels"
     if git -C "$2" rev-parse HEAD > /dev/null 2>&1; then
         git -C "$2" archive HEAD | tar -x -C "$BUNDLE/SCE" && git -C "$2" rev-parse HEAD > "$BUNDLE/SCE/COMMIT"
@@ -55,13 +55,13 @@ if [ "${1:-}" = bundle ]; then
     du -sh "$BUNDLE"/SCE "$BUNDLE"/wheels
     exit 0
 fi
-usage="usage: bash benchmarks/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR] (or bundle AUTHORS_DIR)"
+usage="usage: bash benchmarks/fidelity/authors_reference.sh AUTHORS_DIR DATA_DIR EPOCHS [OUT_DIR] (or bundle AUTHORS_DIR)"
 [ $# -ge 3 ] && [ $# -le 4 ] || { echo "$usage" >&2; exit 2; }
 AUTHORS=$(realpath -m "$1")
 DATA=$(realpath -m "$2")
 EPOCHS=$3
-OUT=$(realpath -m "${4:-$(dirname "$0")/../runs/authors_reference$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
-cd "$(dirname "$0")/.."
+OUT=$(realpath -m "${4:-$(dirname "$0")/../../runs/authors_reference$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
+cd "$(dirname "$0")/../.."
 START=$SECONDS
 
 [ -f "$AUTHORS/run/pretrain.py" ] && [ -f "$AUTHORS/sce/configs/run/pretrain/sce/resnet18/resnet18_cifar10.yaml" ] || {
@@ -105,20 +105,15 @@ DEVICE=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0) if torc
     "requirements.txt was installed into)" >&2; exit 2; }
 CORES=$(nproc)
 
-# ours: RECIPES.md's CIFAR-10 line, its data, epochs, seed and folder replaced (the last of a repeated flag wins)
-small=$(sed -n 's/^SMALL="\(.*\)"$/\1/p' RECIPES.md)
-recipe=$(grep -m1 '^python main_pretrain.py --data /datasets/cifar10 ' RECIPES.md) || {
-    echo "error: RECIPES.md has no CIFAR-10 line (python main_pretrain.py --data /datasets/cifar10 ...)" >&2; exit 2; }
-read -ra words <<< "${recipe//\$SMALL/$small}"
-recipe=()
-for (( i = 2; i < ${#words[@]}; i++ )); do  # after "python main_pretrain.py"
-    case ${words[i]} in --data|--dataset|--epochs|--output-dir) (( i += 1 )) ;; *) recipe+=("${words[i]}") ;; esac
-done
+# ours: RECIPES.md's CIFAR-10 line (read by reproduce_tools.py, its one reader), its data, epochs, seed and folder
+# replaced below (the last of a repeated flag wins)
+read -ra recipe <<< "$("$PYTHON" benchmarks/reproduction/reproduce_tools.py flags cifar10)" && (( ${#recipe[@]} )) || {
+    echo "error: RECIPES.md has no CIFAR-10 line (python main_pretrain.py ... --dataset cifar10 ...)" >&2; exit 2; }
 ours=("$PYTHON" main_pretrain.py "${recipe[@]}" --dataset imagefolder --data "$DATA" --knn-data "$DATA"
       --epochs "$EPOCHS" --knn-every "$EPOCHS" --seed "$SEED" --output-dir "$OUT/ours")
 # theirs: their config with our data, the epochs, a checkpoint at every epoch's end (last.ckpt: the resume point)
 # and at the last (epoch=EPOCHS-1.ckpt), the seed; their loader's workers from the machine's cores
-authors=("$PYTHON_AUTHORS" benchmarks/authors_reference.py pretrain "$AUTHORS" "$DATA" "$OUT/authors"
+authors=("$PYTHON_AUTHORS" benchmarks/fidelity/authors_reference.py pretrain "$AUTHORS" "$DATA" "$OUT/authors"
          "trainer.max_epochs=$EPOCHS" "callbacks.model_checkpoint.every_n_epochs=$EPOCHS"
          callbacks.model_checkpoint.save_last=True "seed.seed=$SEED")
 # one device: Lightning's single-device strategy, not their config's DDP (their step is the same: their gathers
@@ -190,7 +185,7 @@ for run in $ORDER; do
             stage ours_pretrain "${ours[@]}"
     else
         if [ -n "${AUTHORS_WHEELS:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then  # unpacked, not pip: see the .py
-            "$PYTHON_AUTHORS" benchmarks/authors_reference.py unpack "$AUTHORS_WHEELS" "$OUT/authors_site"
+            "$PYTHON_AUTHORS" benchmarks/fidelity/authors_reference.py unpack "$AUTHORS_WHEELS" "$OUT/authors_site"
         fi
         last="$OUT/authors/pretrain_checkpoints/epoch=$(( EPOCHS - 1 )).ckpt"
         [ -f "$last" ] || stage authors_pretrain ${site[@]+"${site[@]}"} "${authors[@]}"
@@ -198,7 +193,7 @@ for run in $ORDER; do
             echo "=> authors_pretrain stopped before epoch $EPOCHS: run the same command again to go on" >&2; exit 75
         fi
         [ -f "$OUT/authors/trunk.pth" ] || stage authors_trunk ${site[@]+"${site[@]}"} "$PYTHON_AUTHORS" \
-            benchmarks/authors_reference.py trunk "$last" "$OUT/authors/trunk.pth"
+            benchmarks/fidelity/authors_reference.py trunk "$last" "$OUT/authors/trunk.pth"
         [ -f "$OUT/authors/knn/results_knn.json" ] || stage authors_knn "${knn[@]}"
     fi
 done

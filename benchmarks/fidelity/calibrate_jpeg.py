@@ -3,7 +3,7 @@
 "94% on CIFAR-10 in 3.29 seconds on a single GPU", 2024; airbench94: 94.01% over 1000 runs, airbench96: 96.05%
 over 200, both with its test-time augmentation), trained N times on our copy, against that figure.
 
-    python benchmarks/calibrate_jpeg.py --data data/cifar10 [--runs 10] [--bench airbench94|airbench96]
+    python benchmarks/fidelity/calibrate_jpeg.py --data data/cifar10 [--runs 10] [--bench airbench94|airbench96]
         [--device cuda|cpu] [--airbench .whl/airbench-0.1.8.tar.gz] [--out runs/calibration] [--write-only]
 
 --data: an ImageFolder with train/ and val/ whose class folders are CIFAR-10's ten names. airbench reads a pair
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 from sce import UserError  # noqa: E402
 from sce.layouts import image_folder  # noqa: E402
 

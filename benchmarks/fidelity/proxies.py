@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Short proxies of the CIFAR-10 row: the reproduction's SCE pretraining (benchmarks/reproduce.sh cifar10, RECIPES.md's
+"""Short proxies of the CIFAR-10 row: the reproduction's SCE pretraining (benchmarks/reproduction/reproduce.sh cifar10, RECIPES.md's
 line, with a GPU's flags there) for a short whole schedule, once per variant, one after the other, each against
 the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the last epoch (k 200, T 0.07, on val).
 
-    python benchmarks/proxies.py --data data/cifar10 [--out runs/proxies] [--epochs 30] [--variants NAME ...]
+    python benchmarks/fidelity/proxies.py --data data/cifar10 [--out runs/proxies] [--epochs 30] [--variants NAME ...]
         [--time-limit SECONDS] [--smoke] [--dry-run]
 
 - The schedule: --epochs E, the warm-up 5 epochs of 200 scaled to E, the kNN monitor after the last epoch (and
@@ -15,7 +15,7 @@ the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the last epoch
 - --time-limit: counted from this script's start; a variant is not started when the median of the finished ones'
   wall times would not fit in what is left, and the running one is asked to save and stop (SIGTERM) at the
   limit. Exit 75 when variants are left (run the same command again), 1 when one failed, else 0.
-- jpeg-qN (any N): the data (train and val) re-encoded once more at quality N (benchmarks/reencode.py) into
+- jpeg-qN (any N): the data (train and val) re-encoded once more at quality N (benchmarks/fidelity/reencode.py) into
   OUT/data-qN, once; an ImageFolder's only (official files are refused before anything runs).
 - --smoke: reproduce.sh's SMOKE setting (a small ImageFolder written from --data, 16 px crops, a tiny head, on
   CPU), 1 epoch by default: checks the script, not the numbers.
@@ -33,9 +33,10 @@ import subprocess
 import sys
 import time
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
+BENCH = os.path.dirname(os.path.realpath(__file__))
+REPO = os.path.dirname(os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
 sys.path.insert(0, REPO)
 from reencode import reencode  # noqa: E402
 from reproduce_tools import stage_split  # noqa: E402
@@ -80,7 +81,7 @@ def row_commands(data, out, smoke):
     """{method: argv} of the reproduction's pretraining for SCE and MoCo v2 (reproduce.sh's DRY_RUN), and the data
     folder they read."""
     env = dict(os.environ, DRY_RUN="1", METHODS="sce moco", PYTHON=sys.executable, SMOKE="1" if smoke else "0")
-    said = subprocess.run(["bash", os.path.join(BENCH, "reproduce.sh"), "cifar10", data, os.path.join(out, "row")],
+    said = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "reproduction", "reproduce.sh"), "cifar10", data, os.path.join(out, "row")],
                           capture_output=True, text=True, env=env)
     if said.returncode:
         raise UserError(said.stderr.strip().splitlines()[-1].removeprefix("error: ") if said.stderr.strip()

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A copy of an image tree re-encoded as JPEG (PIL's encoder, libjpeg's tables at the quality asked, 4:2:0 chroma),
-for the dose-response of the JPEG damage (benchmarks/proxies.py's jpeg-q75 and jpeg-q50 variants).
+for the dose-response of the JPEG damage (benchmarks/fidelity/proxies.py's jpeg-q75 and jpeg-q50 variants).
 
-    python benchmarks/reencode.py SRC DST --quality 50 [--workers N]
+    python benchmarks/fidelity/reencode.py SRC DST --quality 50 [--workers N]
 
 Every image file under SRC becomes DST/<the same path>, with .jpg for another extension; the other files are left
 out, every folder is kept (an empty val/ too). Linked folders are followed, a link that loops is refused; so are two
@@ -27,7 +27,7 @@ import time
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 from sce import UserError, write_file  # noqa: E402
 from sce.layouts import IMAGE_EXTENSIONS, walk  # noqa: E402
 

@@ -2,10 +2,10 @@
 """The authors' training step and ours, run from the same state and compared tensor by tensor: whether our step
 is theirs, to what precision, and what else differs (structure, schedules, views).
 
-    python benchmarks/step_equality.py AUTHORS_DIR [--steps 5] [--batch-size 32] [--out runs/step_equality]
+    python benchmarks/fidelity/step_equality.py AUTHORS_DIR [--steps 5] [--batch-size 32] [--out runs/step_equality]
 
 AUTHORS_DIR: a checkout of CEA-LIST/SCE (tried at 07cbe63). Their code runs in its own process (both packages are
-named `sce`), with the interpreter and pins of benchmarks/authors_reference.sh (PYTHON_AUTHORS, AUTHORS_WHEELS; the
+named `sce`), with the interpreter and pins of benchmarks/fidelity/authors_reference.sh (PYTHON_AUTHORS, AUTHORS_WHEELS; the
 same helps, from authors_reference.py, nothing of theirs edited): their CIFAR-10 config (resnet18_cifar10.yaml) on
 one CPU device in fp32, their SCEModel built by Hydra (seed 0), trained by their Lightning Trainer on given batches
 (two views of N(0, 1) pixels, 32 px) with their optimizer, scheduler and EMA, the shuffle-BN order of each step
@@ -36,8 +36,8 @@ import sys
 import numpy as np
 import torch
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
+BENCH = os.path.dirname(os.path.realpath(__file__))
+REPO = os.path.dirname(os.path.dirname(BENCH))
 START_STEP = 1000  # their schedule's step the compared steps start at (past the 975 of the warm-up)
 STEPS_PER_EPOCH = 195  # CIFAR-10's 50,000 images in batches of 256, their config's
 OURS_FLAGS = ("--arch resnet18 --small-input --crop-size 32 --lr 0.06 --weight-decay 5e-4 --warmup-epochs 5 "

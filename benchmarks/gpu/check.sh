@@ -3,8 +3,8 @@
 # preloading there, nvJPEG, fp16's GradScaler) does what the CPU tests show for its CPU stand-ins. The checks that
 # compile nothing come first; the CIFAR-10 runs are bounded by Inductor's cold compile (the first run's limit).
 # A table at the end; exit 1 naming the checks that failed, 2 when the budget (BUDGET_S, default 420) left a
-# check out. Each call starts afresh (LOG_DIR's runs are removed). The performance rows are gpu_bench.sh.
-#   bash benchmarks/gpu_check.sh [LOG_DIR]        (default LOG_DIR: runs/gpu_check)
+# check out. Each call starts afresh (LOG_DIR's runs are removed). The performance rows are benchmarks/gpu/bench.sh.
+#   bash benchmarks/gpu/check.sh [LOG_DIR]        (default LOG_DIR: runs/gpu_check)
 # 1. graph_equals_eager: 8 steps of RECIPES.md's CIFAR-10 model as a CUDA graph give the eager step's numbers; so
 #    do the linear probe's steps (its trunk eager, then compiled).
 # 2. decode_pixels: the GPU's JPEG decoder against libjpeg-turbo.
@@ -15,47 +15,46 @@
 # CIFAR-10: data/cifar10/{train,val} in the checkout, or unpacked here from data/cifar10-jpeg.tar.gz (carried:
 # 20 MB); without it, the cifar_* checks are left out and the exit is 2.
 set -u
-LOG=$(realpath -m "${1:-$(dirname "$0")/../runs/gpu_check}")  # a path given is the caller's, not the repo's
-cd "$(dirname "$0")/.."
+LOG=$(realpath -m "${1:-$(dirname "$0")/../../runs/gpu_check}")  # a path given is the caller's, not the repo's
+cd "$(dirname "$0")/../.."
 mkdir -p "$LOG"
 BUDGET_S=${BUDGET_S:-420}
 rm -rf "$LOG"/{cifar,cifar_lincls,cifar_knn,fp16,checks.log}  # a rerun checks again: no run found complete
-# shellcheck source=benchmarks/gpu_common.sh
-source benchmarks/gpu_common.sh  # PY, CIFAR, check, finish
+# shellcheck source=benchmarks/gpu/lib.sh
+source benchmarks/gpu/lib.sh  # PYTHON, RECIPE, CIFAR, check, finish
+unpack_cifar
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG/checks.log"
-"$PY" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
+gpu_name | tee "$LOG/checks.log"
+"$PYTHON" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
     | tee -a "$LOG/checks.log"
-check graph_equals_eager 90 "$PY" benchmarks/check_graph.py
-check decode_pixels 30 "$PY" benchmarks/check_decode.py
+check graph_equals_eager 90 "$PYTHON" benchmarks/checks/check_graph.py
+check decode_pixels 30 "$PYTHON" benchmarks/checks/check_decode.py
 # the demo's ImageFolder (scikit-learn's digits, 1437 train images): fp16 through GradScaler and LARS, batch 56
 DIGITS=$LOG/digits
-"$PY" -c "import sys; from sce.data import digits_imagefolder; digits_imagefolder(sys.argv[1])" "$DIGITS" \
+"$PYTHON" -c "import sys; from sce.data import digits_imagefolder; digits_imagefolder(sys.argv[1])" "$DIGITS" \
     >> "$LOG/checks.log" 2>&1
 FP16="main_pretrain.py --data $DIGITS --arch resnet18 --small-input --crop-size 16 --proj-hidden-dims 512
       --batch-size 56 --queue-size 4032 --epochs 2 --amp fp16 --optimizer lars --no-compile --print-freq 5
       --output-dir $LOG/fp16"
 # shellcheck disable=SC2086
-check fp16_epoch1 30 "$PY" $FP16 --stop-after-epochs 1
+check fp16_epoch1 30 "$PYTHON" $FP16 --stop-after-epochs 1
 # shellcheck disable=SC2086
-check fp16_resumed 30 "$PY" $FP16
+check fp16_resumed 30 "$PYTHON" $FP16
 # GradScaler skips its first steps while it lowers its scale
-check fp16_checked 15 "$PY" benchmarks/check_run.py "$LOG/fp16" --epoch 2 --step 50 --max-skipped 10
+check fp16_checked 15 "$PYTHON" benchmarks/checks/check_run.py "$LOG/fp16" --epoch 2 --step 50 --max-skipped 10
 if [ -d "$CIFAR/train" ]; then
     # RECIPES.md's CIFAR-10 setting, 2 epochs, the kNN monitor after each
-    RUN="main_pretrain.py --data $CIFAR --knn-data $CIFAR --arch resnet18 --small-input --crop-size 32 --batch-size 256
-         --epochs 2 --lr 0.06 --weight-decay 5e-4 --ema-schedule constant --ema-momentum 0.99 --proj-hidden-dims 512
-         --proj-dim 256 --proj-last-bn none --shuffle-bn --bn-splits 8 --queue-size 4096 --tau 0.2 --tau-m 0.1
-         --amp bf16 --channels-last --print-freq 50 --output-dir $LOG/cifar"
+    RUN="main_pretrain.py --data $CIFAR --knn-data $CIFAR $RECIPE --epochs 2 --amp bf16 --channels-last --print-freq 50
+         --output-dir $LOG/cifar"
     # shellcheck disable=SC2086
-    check cifar_epoch1 240 "$PY" $RUN --stop-after-epochs 1
+    check cifar_epoch1 240 "$PYTHON" $RUN --stop-after-epochs 1
     # shellcheck disable=SC2086
-    check cifar_resumed 120 "$PY" $RUN
-    check cifar_lincls 90 "$PY" main_lincls.py --data "$CIFAR" --pretrained "$LOG/cifar/checkpoint_last.pth" \
+    check cifar_resumed 120 "$PYTHON" $RUN
+    check cifar_lincls 90 "$PYTHON" main_lincls.py --data "$CIFAR" --pretrained "$LOG/cifar/checkpoint_last.pth" \
         --epochs 2 --output-dir "$LOG/cifar_lincls"
-    check cifar_knn 60 "$PY" main_lincls.py --data "$CIFAR" --pretrained "$LOG/cifar/checkpoint_last.pth" --knn \
+    check cifar_knn 60 "$PYTHON" main_lincls.py --data "$CIFAR" --pretrained "$LOG/cifar/checkpoint_last.pth" --knn \
         --output-dir "$LOG/cifar_knn"
-    check cifar_checked 20 "$PY" benchmarks/check_run.py "$LOG/cifar" --epoch 2 --knn "$LOG/cifar_knn/results_knn.json"
+    check cifar_checked 20 "$PYTHON" benchmarks/checks/check_run.py "$LOG/cifar" --epoch 2 --knn "$LOG/cifar_knn/results_knn.json"
 else
     NOT_RUN+=("cifar (no data/cifar10 nor data/cifar10-jpeg.tar.gz)")
 fi

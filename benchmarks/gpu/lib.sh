@@ -1,14 +1,52 @@
-# What gpu_check.sh and gpu_bench.sh share (sourced, after `cd` to the repository, LOG and BUDGET_S set): the
-# interpreter, CIFAR-10 unpacked from data/cifar10-jpeg.tar.gz, and `check`, which runs a command within the
-# time budget, and `finish`, which prints the table and exits 1 naming what failed, 2 what the budget left out.
+# What the GPU machine's scripts share (sourced by benchmarks/gpu/*.sh after `cd` to the repository):
+#   PYTHON               the interpreter (python, else python3), output unbuffered
+#   RECIPE               RECIPES.md's CIFAR-10 flags (reproduce_tools.py flags cifar10), the one copy of them
+#   unpack_cifar         data/cifar10/{train,val} from data/cifar10-jpeg.tar.gz where missing (carry the archive
+#                        alone, 20 MB; unpacked it is 237 MB); returns 1 when neither is there
+#   limit_s ARG          LIMIT_S checked (whole seconds), in $LIMIT, or exit 2
+#   machine DEST         DEST/machine.txt (the GPU, torch, the commit: COMMIT where the copy has no .git) and
+#                        nvidia-smi sampled every 2 s into DEST/nvidia-smi.csv in the background ($sampler)
+#   join DEST_FILE FILE...   the files that exist, each after a '##### path' line, into one (the device tool
+#                        brings back 8 files at most)
+#   check NAME LIMIT_S CMD..., finish   a table of checks within BUDGET_S (LOG: where their logs go)
 export PYTHONUNBUFFERED=1
-PY=${PYTHON:-$(command -v python || command -v python3)}  # python, else python3
-START=$(date +%s)
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+START=${START:-$SECONDS}
+RECIPE=$("$PYTHON" benchmarks/reproduction/reproduce_tools.py flags cifar10)
 ROWS=() FAILED=() NOT_RUN=()
 CIFAR=data/cifar10
-if [ ! -d "$CIFAR/train" ] && [ -f data/cifar10-jpeg.tar.gz ]; then  # the archive travels (20 MB), its files not
+
+unpack_cifar() {
+    [ -d "$CIFAR/train" ] && return 0
+    [ -f data/cifar10-jpeg.tar.gz ] || return 1
     mkdir -p "$CIFAR" && tar -xzf data/cifar10-jpeg.tar.gz -C "$CIFAR"
-fi
+}
+
+limit_s() {
+    [[ ${1:-} =~ ^[0-9]{1,6}$ ]] || { echo "error: LIMIT_S is whole seconds (got '${1:-}')" >&2; exit 2; }
+    LIMIT=$(( 10#$1 ))
+}
+
+gpu_name() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
+}
+
+machine() {
+    unpack_cifar || return 1
+    { gpu_name
+      "$PYTHON" -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+      echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null || echo 'unknown (no .git here: pass COMMIT=)')}"
+    } > "$1/machine.txt" 2>&1
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm,power.draw --format=csv -l 2 \
+        >> "$1/nvidia-smi.csv" 2>/dev/null &
+    sampler=$!
+}
+
+join() {
+    local dest=$1 f
+    shift
+    for f in "$@"; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$dest"
+}
 
 # check NAME LIMIT_S CMD...: CMD under LIMIT_S, its output in $LOG/NAME.log and $LOG/checks.log; skipped when the
 # budget has less left (a run cut short would read as a failure), and when ONLY (names, blank-separated) omits it
@@ -18,14 +56,14 @@ check() {
     if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
         return
     fi
-    left=$(( BUDGET_S - ($(date +%s) - START) ))
+    left=$(( BUDGET_S - (SECONDS - START) ))
     if (( left < limit )); then
         ROWS+=("| $name | skipped (budget: ${left}s left) | 0 |")
         NOT_RUN+=("$name")
         return
     fi
     echo "=== $name: $*" | tee -a "$LOG/checks.log"
-    t0=$(date +%s)
+    t0=$SECONDS
     timeout -k 15 "$limit" "$@" > "$LOG/$name.log" 2>&1  # SIGTERM (a run saves and stops), SIGKILL 15 s later
     rc=$?
     cat "$LOG/$name.log" >> "$LOG/checks.log"
@@ -35,15 +73,16 @@ check() {
         *) status="FAILED ($rc): $(tail -1 "$LOG/$name.log" | cut -c1-100)" ;;
     esac
     [ "$status" = ok ] || FAILED+=("$name")
-    ROWS+=("| $name | $status | $(( $(date +%s) - t0 )) |")
+    ROWS+=("| $name | $status | $(( SECONDS - t0 )) |")
 }
 
+# the table of the checks; exit 1 naming those that failed, 2 those the budget left out
 finish() {
     echo
     echo "| check | status | seconds |"
     echo "|---|---|---|"
     printf '%s\n' "${ROWS[@]}"
-    echo "total $(( $(date +%s) - START )) s"
+    echo "total $(( SECONDS - START )) s"
     if (( ${#FAILED[@]} )); then
         echo "FAILED: ${FAILED[*]}"
         exit 1

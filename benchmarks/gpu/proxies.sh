@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One GPU command of the CIFAR-10 proxies (benchmarks/proxies.py: 30-epoch runs of the row's setting, one a variant)
+# One GPU command of the CIFAR-10 proxies (benchmarks/fidelity/proxies.py: 30-epoch runs of the row's setting, one a variant)
 # under a time limit, nvidia-smi sampled every 2 s, the logs copied to OUT in four files (machine.txt,
 # nvidia-smi.csv, proxies.txt: the runner's output with its JSON lines and table, variants.log: each variant's
 # output). Run it again at once with the time left: the proxies finished are read back, a stopped one resumes
 # (runs/ stays while the machine is held; a fresh machine starts them again).
-#   bash benchmarks/gpu_proxies.sh LIMIT_S [OUT]    (OUT: default $OUT, else runs/gpu_out; VARIANTS: some of
+#   bash benchmarks/gpu/proxies.sh LIMIT_S [OUT]    (OUT: default $OUT, else runs/gpu_out; VARIANTS: some of
 #                                                   proxies.py's, in its order by default; DRY_RUN=1: print the
 #                                                   commands, run none; COMMIT: the commit to record, where the
 #                                                   copy has no .git)
@@ -15,27 +15,23 @@
 # re-encoded copies are made here (runs/proxies/data-qN).
 set -u
 START=$SECONDS
-LIMIT=${1:?usage: bash benchmarks/gpu_proxies.sh LIMIT_S [OUT]}
-[[ $LIMIT =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got $LIMIT)" >&2; exit 2; }
-LIMIT=$(( 10#$LIMIT ))
-DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
-cd "$(dirname "$0")/.."
+DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")  # a path given is the caller's
+cd "$(dirname "$0")/../.."
+# shellcheck source=benchmarks/gpu/lib.sh
+source benchmarks/gpu/lib.sh  # PYTHON, limit_s, machine, join
+limit_s "${1:-}"
 mkdir -p "$DEST"
-PYTHON=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
 variants=(); [ -n "${VARIANTS:-}" ] && read -r -a variants <<< "--variants $VARIANTS"
-# shellcheck source=benchmarks/gpu_machine.sh
-source benchmarks/gpu_machine.sh
 machine "$DEST" || exit 1  # the data unpacked, machine.txt, nvidia-smi sampled ($sampler)
 if [ "${DRY_RUN:-0}" = 1 ]; then
     kill "$sampler" 2>/dev/null
-    exec "$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --dry-run ${variants[@]+"${variants[@]}"}
+    exec "$PYTHON" benchmarks/fidelity/proxies.py --data data/cifar10 --out runs/proxies --dry-run ${variants[@]+"${variants[@]}"}
 fi
 left=$(( LIMIT - (SECONDS - START) ))  # the unpack counted; spent, 1 s (0 would be proxies.py's "no limit")
-"$PYTHON" benchmarks/proxies.py --data data/cifar10 --out runs/proxies --time-limit $(( left > 0 ? left : 1 )) \
+"$PYTHON" benchmarks/fidelity/proxies.py --data data/cifar10 --out runs/proxies --time-limit $(( left > 0 ? left : 1 )) \
     ${variants[@]+"${variants[@]}"} 2>&1 | tee -a "$DEST/proxies.txt"
 code=${PIPESTATUS[0]}
 kill "$sampler" 2>/dev/null
-for f in runs/proxies/*.log; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$DEST/variants.log"
+join "$DEST/variants.log" runs/proxies/*.log
 echo "exit $code" | tee -a "$DEST/proxies.txt"
 exit "$code"

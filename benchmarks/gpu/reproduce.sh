@@ -3,7 +3,7 @@
 # every 2 s, and what matters copied to $OUT (the device tool brings back at most 8 files: five, and the trunk of
 # the first finished method in three parts). Run it again at once with the time left: reproduce.sh continues where
 # the limit stopped it (runs/ stays while the machine is held).
-#   bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]    (METHODS: default "sce moco"; OUT: default $OUT, else runs/gpu_out;
+#   bash benchmarks/gpu/reproduce.sh LIMIT_S [OUT]    (METHODS: default "sce moco"; OUT: default $OUT, else runs/gpu_out;
 #                                                     RUNS: reproduce.sh's OUT_DIR, default runs/repro;
 #                                                     COMMIT: the commit to record, where the copy has no .git)
 # LIMIT_S counts from this script's start (the unpack included); the stop, its 20 s of grace and the trunk's export
@@ -11,16 +11,14 @@
 # data/cifar10-jpeg.tar.gz (carry that file alone, 20 MB: an unpacked data/cifar10 is 237 MB).
 set -u
 START=$SECONDS
-LIMIT=${1:?usage: bash benchmarks/gpu_reproduce.sh LIMIT_S [OUT]}
-[[ $LIMIT =~ ^[0-9]+$ ]] || { echo "error: LIMIT_S is whole seconds (got $LIMIT)" >&2; exit 2; }
-LIMIT=$(( 10#$LIMIT ))
-DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")
-cd "$(dirname "$0")/.."
+DEST=$(realpath -m "${2:-${OUT:-runs/gpu_out}}")  # a path given is the caller's
+cd "$(dirname "$0")/../.."
+# shellcheck source=benchmarks/gpu/lib.sh
+source benchmarks/gpu/lib.sh  # PYTHON, limit_s, machine, join
+limit_s "${1:-}"
 mkdir -p "$DEST"
-export METHODS=${METHODS:-sce moco} PYTHON=${PYTHON:-python3}
+export METHODS=${METHODS:-sce moco} PYTHON
 RUNS=${RUNS:-runs/repro}
-# shellcheck source=benchmarks/gpu_machine.sh
-source benchmarks/gpu_machine.sh
 machine "$DEST" || exit 1  # the data unpacked, machine.txt, nvidia-smi sampled ($sampler)
 # SIGTERM to reproduce.sh at the limit: it hands it to the running stage, which saves and stops while the display
 # goes on showing its lines (the script then exits 75); 20 s later, if it has not ended, SIGKILL to its children
@@ -28,16 +26,16 @@ machine "$DEST" || exit 1  # the data unpacked, machine.txt, nvidia-smi sampled 
 : > "$DEST/reproduce.txt"  # there before tail opens it
 left=$(( LIMIT - (SECONDS - START) ))  # the unpack and the checks above counted
 if (( left < 1 )); then
-    echo "=> gpu_reproduce.sh: the limit of $LIMIT s was spent before reproduce.sh started" \
+    echo "=> gpu/reproduce.sh: the limit of $LIMIT s was spent before reproduce.sh started" \
         | tee -a "$DEST/reproduce.txt"
     kill "$sampler" 2>/dev/null
     exit 75
 fi
-bash benchmarks/reproduce.sh cifar10 data/cifar10 "$RUNS" >> "$DEST/reproduce.txt" 2>&1 &
+bash benchmarks/reproduction/reproduce.sh cifar10 data/cifar10 "$RUNS" >> "$DEST/reproduce.txt" 2>&1 &
 repro=$!
 tail -n +1 -f --pid="$repro" "$DEST/reproduce.txt" &
 ( sleep "$left" && {
-  echo "=> gpu_reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
+  echo "=> gpu/reproduce.sh: the limit of $LIMIT s: stopping" >> "$DEST/reproduce.txt"
   kill -TERM "$repro"; sleep 20 && { pkill -KILL -P "$repro"; kill -KILL "$repro"; }; } ) 2>/dev/null &
 watchdog=$!
 wait "$repro"
@@ -45,11 +43,9 @@ code=$?
 pkill -P "$watchdog" 2>/dev/null; kill "$watchdog" "$sampler" 2>/dev/null  # the sleeps end, and the chain with them
 wait 2>/dev/null  # tail shows the last lines
 # each stage's whole output, then each run's log.txt, time split and estimate (concatenated: 8 files at most)
-for f in "$RUNS"/*.log; do [ -f "$f" ] && { echo "##### $f"; cat "$f"; }; done > "$DEST/stages.log"
-for f in "$RUNS"/*/{log.txt,timing.txt,estimate.json} "$RUNS"/*/linear/{log.txt,timing.txt,results_linear.json} \
-         "$RUNS"/times; do
-    [ -f "$f" ] && { echo "##### $f"; cat "$f"; }
-done > "$DEST/runs.txt"
+join "$DEST/stages.log" "$RUNS"/*.log
+join "$DEST/runs.txt" "$RUNS"/*/{log.txt,timing.txt,estimate.json} \
+    "$RUNS"/*/linear/{log.txt,timing.txt,results_linear.json} "$RUNS"/times
 [ -f "$RUNS/results.md" ] && { echo "##### $RUNS/results.md"; cat "$RUNS/results.md"; } >> "$DEST/runs.txt"
 # the trunk of the first finished method (fp32, ~45 MB for a ResNet-18) in three parts of at most 15 MiB, for the
 # analyses a CPU can do with it (features without augmentation, the probe's optimiser against the convex optimum):

@@ -4,16 +4,16 @@
 # dataset: 200 epochs of pretraining (the kNN monitor every 20 epochs and after the last: the table's kNN), then
 # the linear probe (100 epochs, lr 30, x0.1 at 60 and 80); one table beside the paper's numbers, and results.json.
 #
-#   bash benchmarks/reproduce.sh DATASET DATA_DIR [OUT_DIR]    DATASET: cifar10, cifar100, stl10 or tiny-imagenet
+#   bash benchmarks/reproduction/reproduce.sh DATASET DATA_DIR [OUT_DIR]    DATASET: cifar10, cifar100, stl10 or tiny-imagenet
 #                                                               (OUT_DIR: runs/reproduce/DATASET)
-#   METHODS="sce moco" bash benchmarks/reproduce.sh ...         some of: sce ressl moco (default: all three); the
+#   METHODS="sce moco" bash benchmarks/reproduction/reproduce.sh ...         some of: sce ressl moco (default: all three); the
 #                                                               table holds every method finished in OUT_DIR
-#   SMOKE=1 bash benchmarks/reproduce.sh ...                    the whole script on CPU in a minute or two: 1 epoch
+#   SMOKE=1 bash benchmarks/reproduction/reproduce.sh ...                    the whole script on CPU in a minute or two: 1 epoch
 #                                                               each, 16 px crops, a tiny head, on a small ImageFolder
 #                                                               written from DATA_DIR (10 classes, 16 train and 8
 #                                                               val images a class)
-#   DRY_RUN=1 bash benchmarks/reproduce.sh ...                  check DATA_DIR, print each stage's command, run none
-#   PYTHON=/path/to/python bash benchmarks/reproduce.sh ...     the interpreter (default: .venv/bin/python of this
+#   DRY_RUN=1 bash benchmarks/reproduction/reproduce.sh ...                  check DATA_DIR, print each stage's command, run none
+#   PYTHON=/path/to/python bash benchmarks/reproduction/reproduce.sh ...     the interpreter (default: .venv/bin/python of this
 #                                                               repository if there is one, else python3)
 # DATA_DIR: the official download (cifar-10-batches-py/, cifar-100-python/, stl10_binary/, tiny-imagenet-200/
 # with val/val_annotations.txt), that folder itself, or for CIFAR train/ and val/ class folders of image files.
@@ -29,28 +29,26 @@
 # On a GPU the images are preloaded there and the step runs in bf16 from a CUDA graph; the loss itself runs in
 # fp32 (sce/builder.py). Lossy JPEG folders give somewhat lower numbers than the official pixels.
 set -euo pipefail
-usage="usage: bash benchmarks/reproduce.sh cifar10|cifar100|stl10|tiny-imagenet DATA_DIR [OUT_DIR]"
+usage="usage: bash benchmarks/reproduction/reproduce.sh cifar10|cifar100|stl10|tiny-imagenet DATA_DIR [OUT_DIR]"
 DATASET=${1:?$usage}
 DATA=$(realpath -m "${2:?$usage}")  # the caller's paths, before the cd
-OUT=$(realpath -m "${3:-$(dirname "$0")/../runs/reproduce/$DATASET$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
-cd "$(dirname "$0")/.."
+OUT=$(realpath -m "${3:-$(dirname "$0")/../../runs/reproduce/$DATASET$([ "${SMOKE:-0}" = 1 ] && echo _smoke)}")
+cd "$(dirname "$0")/../.."
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
 fi
 command -v "${PYTHON%% *}" > /dev/null || { echo "error: no Python interpreter '$PYTHON': pass PYTHON=/path/to/python" \
     "(the one requirements.txt was installed into)" >&2; exit 1; }
 
-# RECIPES.md's setting of the dataset, its row in sce/layouts.py's DATASETS: CROP, EMA (momentum), QUEUE, SCE_TEMPS
-# (supp. Table 10's best); an unknown dataset is one line naming the known ones
-recipe=$($PYTHON benchmarks/reproduce_tools.py recipe "$DATASET") || exit 1
+# RECIPES.md's line for the dataset (its one copy), without the temperatures: PRETRAIN; SCE_TEMPS (supp. Table 10's
+# best); an unknown dataset is one line naming the known ones
+recipe=$($PYTHON benchmarks/reproduction/reproduce_tools.py recipe "$DATASET") || exit 1
 eval "$recipe"
-# the methods of the paper's table (benchmarks/reproduce_tools.py's PAPER), all of them when METHODS is unset; each
-# runs with its own defaults (main_pretrain.py --method: MoCo v2 tau 0.2, two strong views; ReSSL tau 0.1, tau_m
-# 0.04), SCE with the dataset's temperatures
-METHODS=$($PYTHON benchmarks/reproduce_tools.py methods ${METHODS+"$METHODS"}) || exit 1
-PRETRAIN="--arch resnet18 --small-input --crop-size $CROP --batch-size 256 --epochs 200 --lr 0.06 --weight-decay 5e-4
-          --warmup-epochs 5 --ema-schedule constant --ema-momentum $EMA --proj-hidden-dims 512 --proj-dim 256
-          --proj-last-bn none --shuffle-bn --split-bn all --bn-splits 2 --queue-size $QUEUE --knn-every 20"
+PRETRAIN="$PRETRAIN --knn-every 20"
+# the methods of the paper's table (benchmarks/reproduction/reproduce_tools.py's PAPER), all of them when METHODS
+# is unset; each runs with its own defaults (main_pretrain.py --method: MoCo v2 tau 0.2, two strong views; ReSSL tau
+# 0.1, tau_m 0.04), SCE with the dataset's temperatures
+METHODS=$($PYTHON benchmarks/reproduction/reproduce_tools.py methods ${METHODS+"$METHODS"}) || exit 1
 LINEAR=""  # the linear probe's flags beyond its defaults (100 epochs, lr 30, x0.1 at 60 and 80, batch 256)
 
 # SIGTERM / SIGINT / SIGUSR1 go to the running stage, which saves and stops; the script exits with its code. One
@@ -90,7 +88,7 @@ fi
 # which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
 # (SMOKE=1 checks the script, not the numbers: it trains on a small ImageFolder written from the data)
 smoke_dir=(); [ "${SMOKE:-0}" = 1 ] && smoke_dir=("$OUT/smoke_data")
-$PYTHON benchmarks/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- \
+$PYTHON benchmarks/reproduction/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- \
     || exit 1
 [ "${DRY_RUN:-0}" = 1 ] || echo "$source_id" > "$OUT/source"
 # shellcheck disable=SC1091
@@ -120,7 +118,7 @@ stage() {
     SCE_PARENT_PID=$$ "$@" >> "$log" 2>&1 9>&- &
     child=$!
     # shellcheck disable=SC2086
-    $PYTHON benchmarks/reproduce_tools.py show "$log" "$child" "$lines" "$OUT" "$OUT/data.env" "$method" "$LINEAR" \
+    $PYTHON benchmarks/reproduction/reproduce_tools.py show "$log" "$child" "$lines" "$OUT" "$OUT/data.env" "$method" "$LINEAR" \
         $METHODS 9>&- &
     shown=$!
     wait "$child" && code=0 || code=$?
@@ -163,4 +161,4 @@ for method in $METHODS; do
     fi
 done
 stop_if_asked
-[ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduce_tools.py table "$DATASET" "$OUT" $METHODS 9>&-
+[ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduction/reproduce_tools.py table "$DATASET" "$OUT" $METHODS 9>&-

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""The Python steps of benchmarks/reproduce.sh:
+"""The Python steps of benchmarks/reproduction/reproduce.sh:
 
     methods [METHODS]                     the methods of the string METHODS (default: all), checked against PAPER
-    recipe DATASET                        RECIPES.md's setting of DATASET (its row of sce.layouts.DATASETS) as shell
-                                          variables: CROP, EMA, QUEUE, SCE_TEMPS
+    recipe DATASET                        RECIPES.md's line for DATASET as shell variables: PRETRAIN (its flags but
+                                          the run's own and the temperatures), SCE_TEMPS (SCE's, supp. Table 10)
+    flags DATASET                         RECIPES.md's line for DATASET: its flags but the run's own (--data,
+                                          --dataset, --output-dir), for the GPU scripts and the checks
     check DATASET DATA_DIR ENV_FILE [SMOKE_DIR]
                                           which layout DATA_DIR holds, read whole; writes FORMAT, ROOT and the
                                           split sizes as shell variables to ENV_FILE. With SMOKE_DIR (SMOKE=1): a
@@ -25,7 +27,8 @@ import sys
 import time
 from importlib.metadata import version
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
 from sce import UserError, alive, layouts, timing  # noqa: E402  (no torch)
@@ -38,26 +41,58 @@ PAPER = {"sce": ("SCE", {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "t
 LINEAR_SPEEDUP = 3.4  # without a kNN rate: the probe's images/s against pretraining's (one H100, 2026-11-27)
 
 
+OWN_FLAGS = ("--data", "--dataset", "--output-dir")  # a run's own, not the recipe's
+
+
 def reproduced(dataset):
-    """The row of a dataset of the baselines table (one with a recipe), or one line naming them."""
-    known = [name for name, row in layouts.DATASETS.items() if row.recipe]
+    """The row of a dataset of the baselines table (PAPER's), or one line naming them."""
+    known = list(PAPER["sce"][1])
     if dataset not in known:
         raise UserError(f"unknown dataset '{dataset}': use {', '.join(known[:-1])} or {known[-1]}")
     return layouts.DATASETS[dataset]
 
 
+def recipe_flags(dataset):
+    """RECIPES.md's line for `dataset` (its shell variables expanded), the run's own flags left out: the one copy
+    of each recipe, which reproduce.sh, the GPU scripts and the checks read."""
+    reproduced(dataset)
+    text = open(os.path.join(REPO, "RECIPES.md")).read()
+    variables = dict(re.findall(r'^(\w+)="(.*)"$', text, re.M))
+    for line in re.findall(r"^python main_pretrain\.py .*$", text, re.M):
+        for name, value in variables.items():
+            line = line.replace(f"${name}", value)
+        argv = shlex.split(line)[2:]
+        if argv[argv.index("--dataset") + 1 if "--dataset" in argv else 0] == dataset:
+            flags = []
+            for i, word in enumerate(argv):  # each of OWN_FLAGS takes one value
+                if word not in OWN_FLAGS and (i == 0 or argv[i - 1] not in OWN_FLAGS):
+                    flags.append(word)
+            return flags
+    raise UserError(f"RECIPES.md has no line for {dataset} (python main_pretrain.py ... --dataset {dataset} ...)")
+
+
+def without(flags, names):
+    """flags without each of `names` and the value after it."""
+    return [w for i, w in enumerate(flags) if w not in names and (i == 0 or flags[i - 1] not in names)]
+
+
 def recipe(dataset):
-    """The shell variables of DATASET's recipe, for reproduce.sh to eval: the crop (its native size), the EMA
-    momentum, the queue and SCE's temperatures."""
-    row = reproduced(dataset)
-    print(f"CROP={row.native_size} EMA={row.recipe.ema_momentum} QUEUE={row.recipe.queue_size} "
-          f"SCE_TEMPS='--tau {row.recipe.tau} --tau-m {row.recipe.tau_m}'")
+    """DATASET's recipe as shell variables for reproduce.sh to eval: PRETRAIN, every method's flags (RECIPES.md's
+    line without the temperatures: MoCo v2 and ReSSL take their own), and SCE_TEMPS."""
+    flags = recipe_flags(dataset)
+    temps = [w for i, w in enumerate(flags) if w in ("--tau", "--tau-m") or flags[i - 1] in ("--tau", "--tau-m")]
+    print(f"PRETRAIN={shlex.quote(shlex.join(without(flags, ('--tau', '--tau-m'))))} "
+          f"SCE_TEMPS={shlex.quote(shlex.join(temps))}")
 
 
 def layout(dataset, data):
     """(format for --dataset, root for --data, what was found) of DATA_DIR, or a UserError naming what it
     expected."""
     row = reproduced(dataset)
+    if row.download is None:  # a folders row: train/ and val/ class folders only
+        if all(os.path.isdir(os.path.join(data, s)) for s in ("train", "val")):
+            return dataset, data, "train/ and val/ class folders"
+        raise UserError(f"{data} has no train/ and val/ class folders: pass the folder that holds them")
     folder, what = row.download.folder, row.download.holds
     if os.path.isdir(os.path.join(data, folder)):
         return dataset, os.path.join(data, folder) if row.folders else data, f"{what} in {folder}/"
@@ -343,6 +378,8 @@ def main(argv):
         methods(*rest)
     elif command == "recipe":
         recipe(*rest)
+    elif command == "flags":
+        print(shlex.join(recipe_flags(*rest)))
     elif command == "check":
         check(*rest)
     elif command == "show":

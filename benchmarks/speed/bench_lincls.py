@@ -3,10 +3,10 @@
 on photos split into two classes, the linear probe's training (its last progress line) and the kNN's feature
 extraction (--knn), each against a no-grad forward of the same trunk on device tensors.
 
-    python benchmarks/bench_lincls.py --arch resnet50 --amp bf16                   # one GPU, ResNet-50 at 224 px
-    python benchmarks/bench_lincls.py --arch resnet18 --small-input --crop-size 32 --images 1024   # CIFAR-10 size
+    python benchmarks/speed/bench_lincls.py --arch resnet50 --amp bf16                   # one GPU, ResNet-50 at 224 px
+    python benchmarks/speed/bench_lincls.py --arch resnet18 --small-input --crop-size 32 --images 1024   # CIFAR-10 size
 
-It writes its photos itself (benchmarks/photos.py: crops of scikit-learn's two sample photos, 500x375 JPEG) and
+It writes its photos itself (benchmarks/speed/photos.py: crops of scikit-learn's two sample photos, 500x375 JPEG) and
 a randomly initialised trunk: the rates do not depend on the weights. Prints one JSON line per measurement, then
 a table.
 """
@@ -20,9 +20,9 @@ import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "speed"))
 from bench_common import environment, time_calls  # noqa: E402
 from photos import write_photos  # noqa: E402
 from sce import cli, compiling  # noqa: E402

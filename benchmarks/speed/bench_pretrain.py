@@ -4,12 +4,11 @@ the training step alone (synthetic device tensors), and both together, all throu
 main_pretrain.py runs (sce.data.pretrain_batches; sce.epoch.one_step: the schedules, sce.epoch.build_step's step
 and the device-side sums of each step).
 
-    python benchmarks/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
+    python benchmarks/speed/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
     # the per-image CPU cost
-    python benchmarks/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16
-    python benchmarks/bench_pretrain.py --arch resnet18 --small-input --crop-size 32 --queue-size 4096 \
-        --shuffle-bn --bn-splits 8 --proj-hidden-dims 512 --proj-last-bn none --amp bf16 --channels-last \
-        --preload --cuda-graph --skip-data                                   # RECIPES.md's CIFAR-10 setting
+    python benchmarks/speed/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16
+    python benchmarks/speed/bench_pretrain.py --recipe cifar10 --amp bf16 --channels-last --preload --cuda-graph \
+        --skip-data                                                          # RECIPES.md's CIFAR-10 setting
 
 Beside the step it times two plain torchvision models of the same arch (plain BN, the same batch,
 precision, memory format and compile): `supervised_reference`, a forward + backward + SGD step on a
@@ -29,9 +28,9 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "speed"))
 from bench_common import count_host_syncs, environment, no_compile_since, sync, time_calls  # noqa: E402
 from photos import write_photos  # noqa: E402
 import main_pretrain  # noqa: E402
@@ -61,6 +60,11 @@ parser.add_argument("--compile-blocks", action="store_true",
 parser.add_argument("--symmetric", action="store_true", help="symmetric loss (both global views are targets)")
 parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with split BN of --bn-splits chunks")
 parser.add_argument("--bn-splits", type=int, default=8, help="split BN chunks under --shuffle-bn (default: 8)")
+parser.add_argument("--split-bn", default="momentum", choices=["momentum", "all"],
+                    help="which BN layers --bn-splits splits, as main_pretrain.py's (default: momentum)")
+parser.add_argument("--recipe", metavar="DATASET",
+                    help="the model of RECIPES.md's line for DATASET (e.g. cifar10; its arch, stem, crop, batch, "
+                         "queue, BN and projector) as the defaults of those flags; flags given still win")
 parser.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], help="(default: 2048 2048)")
 parser.add_argument("--proj-dim", type=int, default=256, help="(default: 256)")
 parser.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
@@ -90,7 +94,16 @@ parser.add_argument("--warmup", type=int, default=3,
 parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
 parser.add_argument("--skip-data", action="store_true", help="measure the training step only")
 parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
+# what a recipe sets here: the model's shape and its BN
+RECIPE_KEYS = ("arch", "small_input", "crop_size", "batch_size", "queue_size", "symmetric", "shuffle_bn", "bn_splits",
+               "split_bn", "proj_hidden_dims", "proj_dim", "proj_last_bn")
 args = parser.parse_args()
+if args.recipe:  # read from its one copy (benchmarks/reproduction/reproduce_tools.py), then the flags again
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "reproduction"))
+    from reproduce_tools import recipe_flags
+    line = main_pretrain.parse_args(recipe_flags(args.recipe) + ["--data", "unread"])
+    parser.set_defaults(**{key: getattr(line, key) for key in RECIPE_KEYS})
+    args = parser.parse_args()
 device = torch.device(args.device)
 if args.cuda_graph and device.type != "cuda":
     parser.error("--cuda-graph needs a CUDA device")
@@ -102,7 +115,7 @@ ENV = environment(device)
 SETTING = dict(arch=args.arch, batch=args.batch_size, crop=args.crop_size, amp=args.amp,
                channels_last=args.channels_last, compile=args.compile and ("blocks" if args.compile_blocks else True),
                symmetric=args.symmetric,
-               bn_splits=args.bn_splits if args.shuffle_bn else 1, split_bn="momentum" if args.shuffle_bn else None,
+               bn_splits=args.bn_splits if args.shuffle_bn else 1, split_bn=args.split_bn if args.shuffle_bn else None,
                cuda_graph=args.cuda_graph)
 MEMORY_FORMAT = torch.channels_last if args.channels_last else torch.contiguous_format
 REFERENCE = {}  # images/s of supervised_reference and ideal_asymmetric

@@ -53,7 +53,7 @@ def decode_rgb_tensor(data):
     """An image file's bytes as a uint8 RGB tensor (3, H, W). A colour or gray JPEG (most photo
     datasets) decodes straight into the tensor with torchvision's libjpeg-turbo: the same pixels as
     PIL's with the wheels of requirements.txt (tested), for ~8% less loader work per image
-    (benchmarks/bench_pretrain.py). Unlike PIL, libjpeg prints its warnings about damaged data
+    (benchmarks/speed/bench_pretrain.py). Unlike PIL, libjpeg prints its warnings about damaged data
     ("Corrupt JPEG data: ...") on stderr, at each read of such a file."""
     img = Image.open(io.BytesIO(data))  # parses the header only
     if decode_jpeg and img.format == "JPEG" and img.mode in ("RGB", "L"):
