@@ -154,9 +154,10 @@ def evaluate(args, source, device):
     probe = args.classifier == "linear"
     batch = args.batch_size // du.world_size() if probe else FEATURES_BATCH  # a process's
     what = (f"--batch-size {args.batch_size}" + (f" ({batch} a process)" if batch != args.batch_size else "")
-            if probe else f"batches of {batch}")
+            if probe else f"--classifier {args.classifier}'s batches of {batch}")  # not --batch-size: the probe's
     cli.check_memory(device, {f"{what} images of {args.crop_size} px (--crop-size): their pixels in float32":
-                              (batch * 3 * args.crop_size ** 2 * 4, "lower --batch-size or --crop-size")})
+                              (batch * 3 * args.crop_size ** 2 * 4,
+                               "lower --batch-size or --crop-size" if probe else "lower --crop-size")})
     if du.is_main():
         print(f"=> {frozen.describe()} from {source}; input {args.crop_size} px ({why})", flush=True)
         if warning:

@@ -281,6 +281,8 @@ def main(argv=None):
     resolve_device_defaults(args, device, world_size)
     bn_splits = check_args(args, world_size, device)
     data.data_folder(args.data)
+    if args.knn_data:
+        data.data_folder(args.knn_data, "--knn-data")
     args.split_bn = args.split_bn if bn_splits > 1 else None  # recorded as the run applies it: None, no split BN
     if world_size > 1:
         check_ranks_agree(args)

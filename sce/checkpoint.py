@@ -22,10 +22,11 @@ from sce.compiling import error_line
 from sce.timing import Stopwatch
 
 
-def save_atomic(obj, path, second=None):
+def save_atomic(obj, path, second=None, what="checkpoint"):
     """torch.save to a temporary file in the same folder, fsync, then rename over `path`: a crash or a
-    full disk leaves the previous file intact. `second`: another name of the new file (write_atomic)."""
-    write_atomic(path, lambda f: torch.save(obj, f), second)
+    full disk leaves the previous file intact. `second`: another name of the new file (write_atomic); `what`: the
+    file's name in an error."""
+    write_atomic(path, lambda f: torch.save(obj, f), second, what)
 
 
 def copy_atomic(source, path):
@@ -36,7 +37,7 @@ def copy_atomic(source, path):
     write_atomic(path, copy)
 
 
-def write_atomic(path, write, second=None):
+def write_atomic(path, write, second=None, what="checkpoint"):
     """write(f) into a temporary file beside `path`, fsync, then rename over `path`. `second`: a second name of the new
     file (link_atomic), made before the rename: a kill between the two leaves the new file under `second` and the
     previous one under `path`, never `path` replaced without its second name; a failure leaves neither changed."""
@@ -63,8 +64,9 @@ def write_atomic(path, write, second=None):
             os.remove(tmp)
         reason = getattr(e, "strerror", None) or error_line(e)
         free = shutil.disk_usage(folder).free / 2 ** 20
-        raise UserError(f"could not write checkpoint {path} ({reason}; {free:.0f} MiB free on its disk: free some "
-                        "space or pass another --output-dir); the previous checkpoint is kept") from e
+        kept = f"the previous {what} is kept" if os.path.exists(path) else "nothing was written"
+        raise UserError(f"could not write {what} {path} ({reason}; {free:.0f} MiB free on its disk: free some "
+                        f"space or pass another --output-dir); {kept}") from e
 
 
 def refuse_fewer_epochs(path, epoch, step_in_epoch, epochs):
@@ -233,7 +235,10 @@ def load(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        refused = re.search(r"WeightsUnpickler error: (.+?)\.?( Please|$)", str(e), re.M)
+        refused = re.search(r"WeightsUnpickler error:\s*(.+?)\.?( Please|$)", str(e), re.M)
+        if refused and refused[1].startswith("Unsupported operand"):  # a pickle of a newer protocol: not torch's
+            raise UserError(f"{path} is not a PyTorch checkpoint: a pickle torch.save did not write ({refused[1]}): "
+                            "pass the checkpoint_last.pth of a run") from None
         if refused:  # not torch's advice (a load that is not weights-only), which would run the file's code
             raise UserError(f"{path} is not a checkpoint of ours: it holds objects a weights-only load refuses "
                             f"({refused[1]}); open such a file otherwise only if it comes from a source you trust") \

@@ -72,5 +72,5 @@ def split_features(frozen, split, name, output_dir, /, *, checkpoint, batch_size
                                     pad_to=min(batch_size, len(split)) if frozen.compiled else None)
     feats = feats.cpu()
     os.makedirs(output_dir, exist_ok=True)
-    save_atomic({"key": key, "features": feats}, path)
+    save_atomic({"key": key, "features": feats}, path, what="feature cache")
     return feats.numpy()

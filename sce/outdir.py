@@ -19,7 +19,8 @@ EVALUATED = "evaluated.json"  # what the evaluation scripts' output folder holds
 
 
 def prepare(path):
-    """Create `path` and check that data reaches its disk, else one line naming --output-dir."""
+    """Create `path` and check that data reaches its disk, else one line naming --output-dir (and what is in the way:
+    a file, a link to nothing)."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_test{os.getpid()}")
@@ -32,7 +33,28 @@ def prepare(path):
             if os.path.exists(probe):
                 os.remove(probe)
     except OSError as e:
+        blocked = in_the_way(path)
+        if blocked:
+            raise UserError(f"output dir {path} cannot be made: {blocked} is " + (
+                f"a link to {os.readlink(blocked)}, which does not exist: create that folder"
+                if os.path.islink(blocked) else "a file, not a folder: remove it") + ", or pass another --output-dir") \
+                from None
         raise UserError(f"output dir {path} is not writable ({e.strerror}): pass another --output-dir") from None
+
+
+def in_the_way(path):
+    """The first of `path` and the folders above it that is there but no folder (a file, a link to nothing), or
+    None."""
+    path = os.path.abspath(path)
+    above = [path]
+    while os.path.dirname(above[-1]) != above[-1]:
+        above.append(os.path.dirname(above[-1]))
+    return next((p for p in reversed(above) if os.path.lexists(p) and not os.path.isdir(p)), None)
+
+
+def same_path(a, b):
+    """Whether two paths name one file or folder, through links (data given by another path to it)."""
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 class Lock:
@@ -91,7 +113,7 @@ def bind_evaluation(path, pretrained, trunk, dataset, data):
         if theirs.get("trunk") != mine["trunk"]:
             raise UserError(f"{path} holds the evaluation of another trunk ({theirs.get('pretrained')}; "
                             f"{pretrained} has other weights): pass another --output-dir")
-        if (theirs.get("dataset"), theirs.get("data")) != (dataset, mine["data"]):
+        if theirs.get("dataset") != dataset or not same_path(theirs.get("data", ""), data):
             raise UserError(f"{path} holds an evaluation on other data (--dataset {theirs.get('dataset')} --data "
                             f"{theirs.get('data')}): pass another --output-dir")
         return

@@ -16,6 +16,7 @@ from sce import distributed as du
 from sce.checkpoint import Writer, link_atomic
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed, lr_as_tensors, usable
 from sce.optim import cosine_lr, set_lr
+from sce.outdir import same_path
 from sce.preemption import Preemption
 from sce.timing import Stopwatch
 
@@ -233,7 +234,7 @@ def validate(probe, model, batches, device):
 def check_resume(path, ckpt, args):
     """A probe continues only its own run: its data (within an epoch also its batch, seed and number of images: the
     main_lincls.py's resume_probe checks them as pretraining does, sce.resume.check_mid_epoch)."""
-    if ckpt.get("data") and (ckpt["args"]["dataset"], ckpt["data"]) != (args.dataset, os.path.abspath(args.data)):
+    if ckpt.get("data") and (ckpt["args"]["dataset"] != args.dataset or not same_path(ckpt["data"], args.data)):
         raise UserError(f"{path} is a probe on other data (--dataset {ckpt['args'].get('dataset')} --data "
                         f"{ckpt.get('data')}): pass that data to continue it, or another --output-dir")
 

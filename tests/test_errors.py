@@ -8,6 +8,7 @@ import builtins
 import errno
 import io
 import os
+import pickle
 import re
 
 import numpy as np
@@ -112,6 +113,12 @@ def test_a_file_that_is_no_checkpoint(tmp_path):
     sentences = "The first sentence says what failed. A second one says more. " * 2
     assert error_line(RuntimeError(sentences + "x" * 100)) == sentences.strip()  # cut after a sentence
     assert error_line(RuntimeError("a clause, " * 30)) == "a clause, " * 18 + "a clause..."  # else after a clause
+    # a pickle of another writer (protocol 4): torch's reason, not its advice on weights_only cut short
+    (tmp_path / "pickled.pth").write_bytes(pickle.dumps({"epoch": 1}, protocol=4))
+    one_line(main_lincls.main, ["--data", data, "--pretrained", str(tmp_path / "pickled.pth"), "--knn",
+                                "--output-dir", str(tmp_path / "o")], f"error: {tmp_path / 'pickled.pth'} is not a "
+             "PyTorch checkpoint: a pickle torch.save did not write (Unsupported operand 149): pass the "
+             "checkpoint_last.pth of a run")
     # a checkpoint of ours lacking what a resume reads (another version's): the keys named, no KeyError
     torch.save({"kind": "pretrain", "args": {}, "step_in_epoch": 1}, tmp_path / "older.pth")
     message = one_line(main_pretrain.main, ["--data", data, "--resume", str(tmp_path / "older.pth"), "--output-dir",
@@ -394,12 +401,15 @@ def test_unwritable_output_dir_stops_at_start(pretrained, data, tmp_path, monkey
     voc, _ = write_voc(tmp_path / "VOC2007", 8, 4, 16)
     under_a_file = tmp_path / "file" / "out"
     (tmp_path / "file").write_text("")
-    with pytest.raises(UserError, match="is not writable"):
+    with pytest.raises(UserError, match=f"{under_a_file} cannot be made: {tmp_path / 'file'} is a file, not a folder: "
+                                        "remove it, or pass another --output-dir"):
         main_lincls.main(["--data", data, "--pretrained", pretrained, "--knn", "--workers", "0",
                           "--output-dir", str(under_a_file)])
-    with pytest.raises(UserError, match="is not writable"):
+    os.symlink(tmp_path / "gone", tmp_path / "link")  # a link to a folder not made yet, not "File exists"
+    with pytest.raises(UserError, match=f"{tmp_path / 'link'} is a link to {tmp_path / 'gone'}, which does not exist: "
+                                        "create that folder, or pass another --output-dir"):
         main_lowshot.main(["--data", voc, "--pretrained", pretrained, "--workers", "0", "--shots", "full",
-                           "--output-dir", str(under_a_file)])
+                           "--output-dir", str(tmp_path / "link")])
     capsys.readouterr()
     refuse_writes_under(monkeypatch, tmp_path / "ro")
     os.makedirs(tmp_path / "ro")
@@ -443,6 +453,25 @@ def test_seeds_in_range_serve_every_use_and_others_are_one_line(tmp_path):
     one_line(main_lincls.main, base + ["--seed", str(2 ** 63)], "--seed must lie in [0, 9223372036854775807] (got")
     one_line(main_lowshot.main, base + ["--seed", str(2 ** 32)],
              "--seed must lie in [0, 4294967295] (scikit-learn's cross-validation takes 32-bit seeds) (got 4294967296)")
+
+
+def test_the_knn_and_feature_lines_name_their_own_flags_and_files(pretrained, data, tmp_path, monkeypatch):
+    """kNN's batches are not --batch-size's (the probe's), nor is its data --data; the feature cache is no
+    checkpoint, and a first write that fails has no previous file to keep."""
+    base = ["--data", data, "--pretrained", pretrained, "--output-dir", str(tmp_path / "o")]
+    message = one_line(main_lincls.main, base + ["--knn", "--crop-size", str(10 ** 6)], "error: --classifier knn's "
+                       f"batches of 256 images of {10 ** 6} px (--crop-size): their pixels in float32 need")
+    assert message.endswith(": lower --crop-size"), message
+    one_line(main_pretrain.main, ["--data", data, "--knn-data", str(tmp_path / "missing"), "--output-dir",
+                                  str(tmp_path / "p")] + TINY, f"'{tmp_path / 'missing'}' does not exist: pass "
+             "--knn-data DIR")
+
+    def full(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full)
+    message = one_line(main_lincls.main, base + ["--classifier", "logreg", "--logreg-c", "1"],
+                       f"error: could not write feature cache {tmp_path / 'o' / 'features_train_'}")
+    assert message.endswith("; nothing was written") and "checkpoint" not in message, message
 
 
 @pytest.mark.parametrize("label", [99, -1])

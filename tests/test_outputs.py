@@ -84,6 +84,9 @@ def test_a_probe_refuses_another_trunk_other_data_or_a_fresh_start(data, pretrai
     assert ((out / "checkpoint_last.pth").read_bytes(), (out / "results_linear.json").read_bytes()) == before
     probe(data, pretrained, out, "--knn", "--knn-k", "5")  # the same trunk and data: another classifier is fine
     assert 0 <= results(out, "knn")["acc1"] <= 100
+    os.symlink(data, tmp_path / "link")
+    probe(str(tmp_path / "link"), pretrained, out)  # the same data by a link to it: the probe, complete, reported
+    assert results(out)["acc1"] == json.loads(before[1])["acc1"]
 
 
 def test_one_run_per_output_folder(data, pretrained, tmp_path):

@@ -142,13 +142,13 @@ def read_folders(root, train, transform=None, class_list=None, read="pil"):
     return Folder(sub, transform, keep, read)
 
 
-def data_folder(root):
-    """A UserError unless `root` (--data) is a folder."""
+def data_folder(root, flag="--data"):
+    """A UserError unless `root` (`flag`) is a folder."""
     if not root or not os.path.exists(root):
-        raise UserError(f"data path {root!r} does not exist: pass --data DIR")
+        raise UserError(f"data path {root!r} does not exist: pass {flag} DIR")
     if not os.path.isdir(root):
         raise UserError(f"data path {root!r} is a file, not a folder: pass the folder that holds the dataset as "
-                        "--data DIR")
+                        f"{flag} DIR")
 
 
 def build_dataset(name, root, split="train", transform=None, class_list=None, read="pil"):
