@@ -21,11 +21,11 @@ from sce import distributed as du
 from sce.builder import ARCHS, build_model, build_trunk
 from sce.checkpoint import Writer
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs
-from sce.epoch import (Run, Schedules, Training, build_step, end_epoch, epochs_logged, finish, knn_due, log_epoch,
-                       train_one_epoch)
+from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch
 from sce.optim import build_optimizer
 from sce.preemption import Interrupted, Preemption
 from sce.resume import check_ranks_agree, resume
+from sce.step import Schedules, Training, build_step
 
 # `python main_pretrain.py` with no --data: the embedded demo (digits placed at random in 16 px canvases, under 3
 # minutes on 2 cores). Tuned for them: milder crops and the less blurry strong-beta view (Table 2's blur sigmas

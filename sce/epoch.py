@@ -1,13 +1,11 @@
-"""One epoch of pretraining and its end: the training step (train_step; build_step, what the loop calls: the same
-step, compiled or replayed from a CUDA graph), the schedules of each step (Schedules), the loss and the method's
-logged terms averaged on the device over the finite steps of each window and of the epoch (a window without one
-reads NaN, never 0), the progress line, TensorBoard, the stops for non-finite steps and stop requests; then the
-epoch's checkpoint (written in the background), its kNN and its line of log.txt (once its checkpoint is on disk),
-the estimate after the first whole epoch; and the one way out of the loop (finish). main_pretrain.py builds the
-Run."""
+"""One epoch of pretraining and its end: the epoch's bookkeeping and output. The loop calls one_step (the schedules
+of sce.step, the step, its outcome tallied); the loss and the method's logged terms are averaged on the device over
+the finite steps of each window and of the epoch (a window without one reads NaN, never 0); the progress line,
+TensorBoard, the stops for non-finite steps and stop requests; then the epoch's checkpoint (written in the
+background), its kNN and its line of log.txt (once its checkpoint is on disk), the estimate after the first whole
+epoch; and the one way out of the loop (finish). main_pretrain.py builds the Run."""
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -16,113 +14,14 @@ import torch
 
 from sce import UserError, write_file
 from sce import distributed as du
-from sce.builder import momentum_at
 from sce.checkpoint import Writer
-from sce.compiling import CompiledStep, Log
-from sce.cuda_graph import Graphed, lr_as_tensors
+from sce.compiling import Log
 from sce.losses import Lambda
-from sce.optim import cosine_lr, grads_finite, restore_unless_finite, scheduled, set_lr, step_unless_nonfinite
+from sce.optim import set_lr
 from sce.preemption import Preemption, stop
 from sce.progress import format_eta
 from sce.resume import run_state
-
-
-@dataclasses.dataclass
-class Training:
-    """What a training step uses and updates."""
-    model: torch.nn.Module  # the MomentumModel (sce.builder)
-    ddp_model: torch.nn.Module  # the same, wrapped in DDP on several ranks
-    optimizer: torch.optim.Optimizer  # fused SGD or LARS (sce.optim)
-    scaler: torch.amp.GradScaler = None  # fp16 only
-    amp_dtype: torch.dtype = None
-    bn_stats: list = None  # running means and variances of every BN layer; filled from the model
-    guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
-    terms: object = None  # f(q, k, queue) -> {name: value}, the method's logged terms (sce.losses), or None
-    autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (build_step)
-
-    def __post_init__(self):
-        if self.bn_stats is None:
-            self.bn_stats = [b for name, b in self.model.named_buffers()
-                             if name.endswith(("running_mean", "running_var"))]
-
-
-def train_step(t, views, momentum):
-    """One optimizer step on device views: the forward of both branches and the loss (t.ddp_model, the
-    MomentumModel's forward), the backward, the optimizer's step, the EMA; returns (loss, finite, terms), device
-    tensors (terms: t.terms of the first (target, query) pair, computed here so that the benchmark times them).
-    A step whose gradients are not finite leaves the weights and the optimizer as they were, decided on the device
-    without a host sync: the fused SGD (or LARS) update is skipped through its `found_inf` input, the EMA uses
-    momentum 1, and the BN running statistics, which the forward moved, are put back (their num_batches_tracked
-    counters are not). The queue keeps the step's keys when they are finite, as in MoCo."""
-    device = views[0].device
-    autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None,
-                              cache_enabled=t.autocast_cache)
-    stats = torch.cat([s.flatten() for s in t.bn_stats]) if t.guard and t.bn_stats else None
-    with autocast:
-        loss, outputs = t.ddp_model(views)
-    t.optimizer.zero_grad(set_to_none=True)
-    if t.scaler:
-        t.scaler.scale(loss).backward()
-        t.scaler.unscale_(t.optimizer)
-    else:
-        loss.backward()
-    finite = grads_finite(t.optimizer) if t.guard else torch.ones((), dtype=torch.bool, device=device)
-    if t.scaler:
-        t.scaler.step(t.optimizer)  # passes its own found_inf (the same verdict) to the fused step
-        t.scaler.update()
-    elif t.guard:
-        step_unless_nonfinite(t.optimizer, finite)
-    else:
-        t.optimizer.step()
-    t.model.update_momentum(momentum, finite)
-    if stats is not None:
-        restore_unless_finite(t.bn_stats, stats, finite)
-    terms = t.terms(*outputs) if t.terms else None  # in fp32, as the loss is
-    return loss.detach(), finite, terms
-
-
-def build_step(training, compiled=False, graphs=None, compiles=None):
-    """What the loop calls each step, step(views, momentum) -> (loss, finite, terms): train_step on `training`,
-    eager; compiled (its modules were compiling.compile_model'd): through compiling.CompiledStep, which falls back
-    to eager at the first step; graphs (sce.cuda_graph.CudaGraphs, or the tests' stand-in): replayed from a CUDA
-    graph after GRAPH_WARMUP eager steps (sce.cuda_graph.Graphed; the outputs are the graph's tensors, overwritten
-    by the next step). What changes from step to step reaches a graph through device tensors: the views and the
-    EMA momentum copied in, the lr filled in place (lr_as_tensors, then set_lr), lambda the criterion's tensor
-    (sce.losses.Lambda). compiles: the run's compiling.Log, where compiles and a capture are noted."""
-    step = functools.partial(train_step, training)
-    if compiled:
-        step = CompiledStep(step, training.model, compiles if compiles is not None else Log())
-    if graphs:
-        lr_as_tensors(training.optimizer, next(training.model.parameters()).device)
-        training.autocast_cache = False  # a capture must not keep autocast's cast weights (torch.cuda.graphs)
-        step = Graphed(step, graphs, "the training step", compiles=compiles)
-    return step
-
-
-class Schedules:
-    """The lr, EMA momentum and lambda of any global step, from the flags (as the probe's Probe.lr_at): the lr a
-    linear warmup then a cosine decay of --lr scaled by the batch, the momentum --ema-momentum's schedule, lambda
-    --lambda's."""
-
-    def __init__(self, args, steps_per_epoch):
-        self.args, self.total_steps = args, steps_per_epoch * args.epochs
-        self.base_lr = args.lr * args.batch_size / 256
-        self.warmup_steps = round(args.warmup_epochs * steps_per_epoch)
-
-    def lr_at(self, step):
-        return cosine_lr(step, self.total_steps, self.base_lr, self.warmup_steps)
-
-    def momentum_at(self, step):
-        return momentum_at(step, self.total_steps, self.args.ema_momentum, self.args.ema_schedule)
-
-    def lambda_at(self, step):
-        a = self.args
-        return scheduled(step, self.total_steps, a.lambda_, end=a.lambda_end, kind=a.lambda_schedule,
-                         warmup_steps=a.lambda_warmup_steps, warmup_start=a.lambda_warmup_start)
-
-    def at(self, step):
-        """The three at `step`, named as the progress lines and log.txt name them."""
-        return {"lr": self.lr_at(step), "momentum": self.momentum_at(step), "lambda": self.lambda_at(step)}
+from sce.step import Schedules, Training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,36 +50,46 @@ class Epoch:
     stopped_at: int  # the step to resume from, when a stop was requested mid-epoch; else None
     stats: dict  # the epoch's averages (its line of log.txt) when it ended; else None
     nonfinite: torch.Tensor  # consecutive non-finite steps at its end, on the device (the next epoch goes on)
-    sums: list = None  # when stopped: the epoch's sums so far (finite steps, Tally.names, finite losses), to resume
+    sums: dict = None  # when stopped: the epoch's sums so far by name (Tally.sums), to resume
 
 
 class Tally:
-    """What the steps did, summed on the device (no host sync): per window of progress lines and per epoch, the
-    finite steps and the sums over them of the loss and of the terms the method logs (`names`, in the order the
-    step returns them, known from the first step); the steps whose loss was finite; consecutive non-finite steps.
-    `sums`: the epoch's before a resume within it (Epoch.sums)."""
+    """What the steps did, summed on the device (no host sync), by name: per window of progress lines and per epoch,
+    `steps` (the finite ones) and the sums over them of the `loss` and of the terms the method logs (in the order
+    the step returns them, known from the first step), stacked in one tensor so that one copy reads a window
+    (read); the steps whose loss was finite (finite_losses); consecutive non-finite steps. `sums`: the epoch's
+    before a resume within it (Epoch.sums)."""
 
     def __init__(self, device, nonfinite, sums=None):
         self.names = self.window = self.epoch = None  # the first step sets them
+        if isinstance(sums, list):  # a checkpoint of before 2026-11-28: steps, loss, the terms, finite losses
+            sums = {"list": sums[:-1], "finite_losses": sums[-1]}
         self.resumed = sums
-        self.finite_losses = torch.full((), sums[-1] if sums else 0.0, device=device)  # not only the gradients' verdict
+        self.finite_losses = torch.full((), sums["finite_losses"] if sums else 0.0, device=device)  # any loss
         self.nonfinite = nonfinite.clone()
 
     def add(self, loss, finite, terms):
         self.nonfinite = torch.where(finite, torch.zeros_like(self.nonfinite), self.nonfinite + 1)
         self.finite_losses += torch.isfinite(loss)
-        terms = terms or {}
-        values = torch.stack([torch.ones_like(loss), loss.float(), *terms.values()])
-        values = torch.where(finite, values, torch.zeros_like(values))
+        named = {"steps": torch.ones_like(loss), "loss": loss.float(), **(terms or {})}
+        values = torch.where(finite, torch.stack(list(named.values())), 0.0)
         if self.names is None:  # the first step: the loss, then the method's terms in the order it returns them
-            self.names, self.window = ["loss", *terms], torch.zeros_like(values)
-            self.epoch = values.new_tensor(self.resumed[:-1]) if self.resumed else torch.zeros_like(values)
+            self.names, self.window = list(named), torch.zeros_like(values)
+            self.epoch = values.new_tensor(self.resumed_sums()) if self.resumed else torch.zeros_like(values)
         self.window += values
         self.epoch += values
 
+    def resumed_sums(self):
+        """The resumed epoch's sums in the order of `names` (an old checkpoint's list is in that order already)."""
+        return self.resumed.get("list") or [self.resumed[name] for name in self.names]
+
+    def read(self, sums):
+        """{name: value} of `sums` (the window or the epoch): one copy to the host."""
+        return dict(zip(self.names, sums.tolist()))
+
     def sums(self):
-        """The epoch's sums so far, for a checkpoint within it (Epoch.sums)."""
-        return self.epoch.tolist() + [self.finite_losses.item()]
+        """The epoch's sums so far by name, for a checkpoint within it (Epoch.sums)."""
+        return dict(self.read(self.epoch), finite_losses=self.finite_losses.item())
 
 
 def one_step(run, step, views, tally):
@@ -211,18 +120,18 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
                 raise UserError(f"{int(tally.nonfinite.item())} consecutive non-finite losses at step {step}: "
                                 f"{likely_cause(args, s.lr_at(step))}; the last good checkpoint is kept")
             elapsed = time.time() - window_start
-            stats = dict(window_means(tally.window, window_steps, tally.names), **s.at(step),
+            stats = dict(window_means(tally.read(tally.window), window_steps), **s.at(step),
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
-                log_progress(run, step, stats, elapsed / window_steps, tally.names[1:])
+                log_progress(run, step, stats, elapsed / window_steps, tally.names[2:])
             tally.window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
         if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
             return Epoch(i + 1, None, tally.nonfinite, tally.sums())
     steps = run.steps_per_epoch  # the whole epoch's, with those of an invocation that stopped within it
     steps_s = time.time() - epoch_start - (run.compiles.total() - compiled)
-    stats = dict(window_means(tally.epoch, steps, tally.names), **s.at(step),
+    stats = dict(window_means(tally.read(tally.epoch), steps), **s.at(step),
                  images_per_s=(steps - start_step) * args.batch_size / max(steps_s, 1e-9))
     # whatever --max-nonfinite-steps says, nothing was learned; but under fp16, steps GradScaler skips (finite
     # losses on some rank, overflowing gradients while it lowers its scale) are left to that flag
@@ -234,12 +143,12 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     return Epoch(None, stats, tally.nonfinite)
 
 
-def window_means(sums, steps, names):
-    """The loss and terms `names` averaged over the finite steps of a window (NaN when none was finite, never 0), and
-    the number of steps skipped as non-finite."""
-    finite, *totals = sums.tolist()  # one copy to the host
-    means = (total / finite if finite else float("nan") for total in totals)
-    return dict(zip(names, means), skipped_steps=steps - round(finite))
+def window_means(sums, steps):
+    """The loss and terms of `sums` (Tally.read) averaged over the window's finite steps (NaN when none was finite,
+    never 0), and the number of its `steps` skipped as non-finite."""
+    finite = sums.pop("steps")
+    return dict({name: total / finite if finite else float("nan") for name, total in sums.items()},
+                skipped_steps=steps - round(finite))
 
 
 def likely_cause(args, lr):

@@ -173,7 +173,7 @@ def lambda_scheduled(args):
 
 class Lambda:
     """Lambda of eq. 7 as the criterion reads it: --lambda, or, when it moves (--lambda-schedule,
-    --lambda-warmup-steps; sce.epoch.Schedules.lambda_at), a device tensor set in place at each step (a CUDA graph
+    --lambda-warmup-steps; sce.step.Schedules.lambda_at), a device tensor set in place at each step (a CUDA graph
     of the step reads it there)."""
 
     def __init__(self, args, device=torch.device("cpu")):

@@ -83,7 +83,7 @@ def load_optimizer_state(optimizer, state):
         group["lr"] = float(group["lr"])
 
 
-# ---------------------------------------------------------------- the non-finite guard (sce.epoch.train_step)
+# ---------------------------------------------------------------- the non-finite guard (sce.step.train_step)
 
 def grads_finite(optimizer):
     """Device bool: every gradient is finite. DDP averages gradients over ranks, so a non-finite

@@ -1,5 +1,5 @@
 """Train a few steps as main_pretrain.py does (sampler, batches of views, DDP, shuffle-BN, the queue,
-and sce.epoch.train_step with its non-finite guard, an lr and EMA schedule, BN in train mode) and save
+and sce.step.train_step with its non-finite guard, an lr and EMA schedule, BN in train mode) and save
 the result.
 
 Run under torchrun with 2 ranks, or as one process standing for them: the one process splits every
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 from sce import data as sce_data, distributed as du, losses  # noqa: E402
 from sce.builder import MomentumModel, momentum_at  # noqa: E402
-from sce.epoch import Training, train_step  # noqa: E402
+from sce.step import Training, train_step  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 import sync_bn_check  # noqa: E402  (beside this file)
 

@@ -184,7 +184,7 @@ def test_split_features_cache(tmp_path, capsys):
 # primitives, and no module outside sce/data from the data path (the scripts import its face)
 PRIMITIVES = ["__init__", "builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling",
               "cuda_graph", "progress", "metrics", "outdir", "timing", "layouts"]
-ORCHESTRATION = ["epoch", "resume", "knn", "frozen", "probe", "transfer", "cli"]
+ORCHESTRATION = ["step", "epoch", "resume", "knn", "frozen", "probe", "transfer", "cli", "plot"]
 MAX_DEPTH = 6  # the longest chain of project imports, files counted, scripts included
 
 

@@ -1,4 +1,4 @@
-"""The training step (sce.epoch.train_step, build_step): the non-finite guard undoes a step exactly (SGD and LARS,
+"""The training step (sce.step.train_step, build_step): the non-finite guard undoes a step exactly (SGD and LARS,
 with and without GradScaler), the loss runs in fp32 under autocast, compiling keeps the checkpoint keys and the eager
 step's numbers, a compile failing at the first step falls back to the eager step exactly and a later one stops with
 one line, the CUDA graph gives the eager steps' numbers (on a CPU stand-in for the capture), and what compiles when:
@@ -15,7 +15,7 @@ from sce import UserError, losses
 from sce.builder import MomentumModel
 from sce.compiling import Log, check_compile, compile_model, compile_module, resolve_compile
 from sce.cuda_graph import lr_as_tensors
-from sce.epoch import Training, build_step, train_step
+from sce.step import Training, build_step, train_step
 from sce.optim import build_optimizer, set_lr
 
 
@@ -370,7 +370,7 @@ def test_the_evaluations_compile_their_trunk_once(pretrained, tmp_path, monkeypa
 
 def test_the_benchmark_runs_the_step_and_reports_its_rows(in_process, capsys, monkeypatch):
     """benchmarks/speed/bench_pretrain.py times what main_pretrain.py's loop runs each step (sce.epoch.one_step: the
-    schedules, sce.epoch.build_step's step, the sums), global step after global step, and prints a JSON row a
+    schedules, sce.step.build_step's step, the sums), global step after global step, and prints a JSON row a
     measurement: on CPU, preloaded, the step and end to end beside its two reference models."""
     from sce import epoch
     steps, one_step = [], epoch.one_step

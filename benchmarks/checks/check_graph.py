@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The CUDA-graph steps give the eager steps' numbers (for benchmarks/gpu/check.sh): two copies of RECIPES.md's
 CIFAR-10 model (its line, read by reproduce_tools.py: ResNet-18 small-input, the paper's BN split in 2, batch 256,
-queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.epoch.build_step's CUDA graph (captured after its eager steps);
+queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.step.build_step's CUDA graph (captured after its eager steps);
 losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
 at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
@@ -30,7 +30,7 @@ from sce import losses  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import Log, compile_module  # noqa: E402
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, lr_as_tensors  # noqa: E402
-from sce.epoch import Training, build_step, train_step  # noqa: E402
+from sce.step import Training, build_step, train_step  # noqa: E402
 from sce.frozen import Frozen  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 from sce.probe import Head, Probe, Step, make_head  # noqa: E402

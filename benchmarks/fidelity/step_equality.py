@@ -15,7 +15,7 @@ state before it (weights, momentum weights, BN statistics, queue, SGD buffers), 
 
 Ours then runs each step from their state before it (mapped onto our names; their queue transposed), with their
 views, the same BN groups (their split BN groups a shuffled batch by position mod 8, ours by consecutive chunks:
-the order is rearranged so the groups hold the same images), their lr and EMA momentum, through sce.epoch's
+the order is rearranged so the groups hold the same images), their lr and EMA momentum, through sce.step's
 train_step, which main_pretrain.py runs. Our flags are their config's (OURS_FLAGS): tau 0.1, tau_m 0.05, projector
 512 -> 128, queue 4096, split BN of the momentum encoder in 8, SGD lr 0.06 wd 5e-4, EMA 0.99.
 
@@ -181,7 +181,7 @@ def our_training(flags=OURS_FLAGS, batch=32):
     import main_pretrain
     from sce import losses
     from sce.builder import build_model
-    from sce.epoch import Schedules, Training
+    from sce.step import Schedules, Training
     from sce.optim import build_optimizer
     args = main_pretrain.parse_args([*flags, "--batch-size", str(batch)])
     bn_splits = main_pretrain.check_args(args)
@@ -260,7 +260,7 @@ def grouped_order(order, splits):
 def our_steps(training, reference, feed, splits, chained=False):
     """Each step of `reference` from its state before (or, chained, from ours after the previous one), through
     train_step with its lr, EMA momentum, views and BN order; our record in the reference's form."""
-    from sce.epoch import train_step
+    from sce.step import train_step
     from sce.optim import set_lr
     model, steps = training.model, []
     for i, (ref, f) in enumerate(zip(reference["steps"], feed)):
@@ -325,8 +325,8 @@ def compare(reference, ours):
 
 
 def schedule_differences(theirs, args):
-    """Their lr / momentum / lambda arrays against ours (sce.epoch.Schedules at batch 256)."""
-    from sce.epoch import Schedules
+    """Their lr / momentum / lambda arrays against ours (sce.step.Schedules at batch 256)."""
+    from sce.step import Schedules
     args = copy.copy(args)
     args.batch_size = 256
     s = Schedules(args, STEPS_PER_EPOCH)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pretraining throughput, side by side in one run: the data loader alone (CPU vs GPU augmentation),
 the training step alone (synthetic device tensors), and both together, all through the code
-main_pretrain.py runs (sce.data.pretrain_batches; sce.epoch.one_step: the schedules, sce.epoch.build_step's step
+main_pretrain.py runs (sce.data.pretrain_batches; sce.epoch.one_step: the schedules, sce.step.build_step's step
 and the device-side sums of each step).
 
     python benchmarks/speed/bench_pretrain.py --arch resnet50 --batch-size 256 --amp bf16 --channels-last   # one GPU
@@ -39,6 +39,7 @@ from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import CompiledStep, compile_model, compile_module  # noqa: E402
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
+from sce.step import Schedules, Training, build_step  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR",
@@ -169,14 +170,14 @@ def build_training():
     model = build_model(flags, losses.criterion(flags, lam), args.bn_splits if args.shuffle_bn else 1).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    schedules = epoch.Schedules(flags, 100)  # 100 steps an epoch: any number does
+    schedules = Schedules(flags, 100)  # 100 steps an epoch: any number does
     optimizer = build_optimizer(flags.optimizer, model, schedules.base_lr, flags.weight_decay, flags.sgd_momentum,
                                 flags.wd_exclude_bias_norm)
     if args.compile:
         compile_model(model, COMPILES, blocks=args.compile_blocks)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    training = epoch.Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags))  # as there
-    step = epoch.build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, COMPILES)
+    training = Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags))  # as there
+    step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, COMPILES)
     return training, Scheduled(epoch.Run(args=flags, training=training, step=step, schedules=schedules, lam=lam,
                                          batches=None, steps_per_epoch=100, device=device, tensorboard=None,
                                          preemption=None, first_step=0, checkpoints=None, compiles=COMPILES))

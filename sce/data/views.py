@@ -34,10 +34,25 @@ AUGMENTATIONS = {
 RRC_RATIO = (3 / 4, 4 / 3)  # aspect ratios of RandomResizedCrop (torchvision's default)
 RRC_ATTEMPTS = 10  # RandomResizedCrop tries 10 (area, ratio) draws, then a central crop
 SOLARIZE_THRESHOLD = 128  # on uint8 images; 0.5 on [0, 1] floats picks the same pixels
-# the uniforms of one view: the crop's attempts, top, left, flip, then jitter, its order (4), its factors (4),
-# blur, gray, sigma, solarize
-DRAWS = 2 * RRC_ATTEMPTS + 3 + 13
-PACKED = 17  # columns of a view's parameters packed in a row: top, left, height, width, flip, then photometric
+
+
+def columns(*fields):
+    """{name: its column, or slice of columns} of (name, width) fields laid side by side, and their total width."""
+    out, at = {}, 0
+    for name, width in fields:
+        out[name] = at if width == 1 else slice(at, at + width)
+        at += width
+    return out, at
+
+
+# the uniforms of one view (the crop's (area, ratio) attempts, then one each, or 4 for the jitter's order and
+# factors), and the packed row of its parameters: the crop and flip, then the photometric ones
+U, DRAWS = columns(("attempts", 2 * RRC_ATTEMPTS), ("top", 1), ("left", 1), ("flip", 1), ("jitter", 1), ("order", 4),
+                   ("factors", 4), ("blur", 1), ("gray", 1), ("sigma", 1), ("solarize", 1))
+ROW, PACKED = columns(("top", 1), ("left", 1), ("height", 1), ("width", 1), ("flip", 1), ("jitter", 1), ("order", 4),
+                      ("factors", 4), ("gray", 1), ("sigma", 1), ("solarize", 1))
+# a Table 2 row as _packed draws with it: p(jitter), each factor's range (low 4, high 4), p(gray), p(blur), p(solarize)
+TABLE, _ = columns(("p_jitter", 1), ("low", 4), ("high", 4), ("p_gray", 1), ("p_blur", 1), ("p_solarize", 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +107,9 @@ def random_resized_crops(u, height, width, scale, ratio=RRC_RATIO):
     or of (N, 1) arrays): RRC_ATTEMPTS (area, log-ratio) pairs, the first that fits wins, else the central crop of
     the closest allowed ratio; then top and left."""
     height, width = np.asarray(height, np.float64).reshape(-1, 1), np.asarray(width, np.float64).reshape(-1, 1)
-    target = height * width * (scale[0] + (scale[1] - scale[0]) * u[:, 0:2 * RRC_ATTEMPTS:2])
-    log_ratio = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[:, 1:2 * RRC_ATTEMPTS:2]
+    attempts = u[:, U["attempts"]]
+    target = height * width * (scale[0] + (scale[1] - scale[0]) * attempts[:, 0::2])
+    log_ratio = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * attempts[:, 1::2]
     w = np.round(np.sqrt(target * np.exp(log_ratio)))
     h = np.round(np.sqrt(target / np.exp(log_ratio)))
     fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
@@ -105,8 +121,8 @@ def random_resized_crops(u, height, width, scale, ratio=RRC_RATIO):
     found = fits.any(axis=1)
     h = np.where(found, np.take_along_axis(h, first, 1)[:, 0], fallback_h)
     w = np.where(found, np.take_along_axis(w, first, 1)[:, 0], fallback_w)
-    top = np.where(found, np.floor(u[:, 2 * RRC_ATTEMPTS] * (height - h + 1)), (height - h) // 2)
-    left = np.where(found, np.floor(u[:, 2 * RRC_ATTEMPTS + 1] * (width - w + 1)), (width - w) // 2)
+    top = np.where(found, np.floor(u[:, U["top"]] * (height - h + 1)), (height - h) // 2)
+    left = np.where(found, np.floor(u[:, U["left"]] * (width - w + 1)), (width - w) // 2)
     return top, left, h, w
 
 
@@ -135,15 +151,19 @@ def _packed(u, height, width, specs):
     scale = np.array([spec.scale for spec in specs], dtype=np.float64)
     top, left, h, w = random_resized_crops(u, height, width, (scale[:, :1], scale[:, 1:]))
     # per spec: p(jitter), each factor's range (low 4, high 4), p(gray), p(blur), p(solarize)
-    table = np.array([_photometric_row(spec.aug) for spec in specs])
-    p = u[:, 2 * RRC_ATTEMPTS + 3:]
-    factors = table[:, 1:5] + (table[:, 5:9] - table[:, 1:5]) * p[:, 5:9]
-    sigma = np.where(p[:, 9] < table[:, 10], BLUR_SIGMA[0] + (BLUR_SIGMA[1] - BLUR_SIGMA[0]) * p[:, 11], 0.0)
-    flip = u[:, 2 * RRC_ATTEMPTS + 2] < 0.5
-    return torch.from_numpy(np.concatenate([np.stack([top, left, h, w, flip, p[:, 0] < table[:, 0]], axis=1),
-                                            p[:, 1:5].argsort(axis=1, kind="stable"), factors,
-                                            np.stack([p[:, 10] < table[:, 9], sigma, p[:, 12] < table[:, 11]],
-                                                     axis=1)], axis=1).astype(np.float64))
+    t = np.array([_photometric_row(spec.aug) for spec in specs])
+    low, high = t[:, TABLE["low"]], t[:, TABLE["high"]]
+    sigma = BLUR_SIGMA[0] + (BLUR_SIGMA[1] - BLUR_SIGMA[0]) * u[:, U["sigma"]]
+    row = np.empty((len(u), PACKED))
+    row[:, ROW["top"]], row[:, ROW["left"]], row[:, ROW["height"]], row[:, ROW["width"]] = top, left, h, w
+    row[:, ROW["flip"]] = u[:, U["flip"]] < 0.5
+    row[:, ROW["jitter"]] = u[:, U["jitter"]] < t[:, TABLE["p_jitter"]]
+    row[:, ROW["order"]] = u[:, U["order"]].argsort(axis=1, kind="stable")
+    row[:, ROW["factors"]] = low + (high - low) * u[:, U["factors"]]
+    row[:, ROW["gray"]] = u[:, U["gray"]] < t[:, TABLE["p_gray"]]
+    row[:, ROW["sigma"]] = np.where(u[:, U["blur"]] < t[:, TABLE["p_blur"]], sigma, 0.0)
+    row[:, ROW["solarize"]] = u[:, U["solarize"]] < t[:, TABLE["p_solarize"]]
+    return torch.from_numpy(row)
 
 
 def _photometric_row(aug):
@@ -160,7 +180,7 @@ def probe_crops(padding, size, seed, epoch, index, height, width):
     """The linear probe's random crops and flips of images `index` (N,) of sizes (height, width), packed rows
     (N, 5) float64: top, left, height, width, flip. padding > 0: the small-image protocol's crop of `size` with
     `padding` zero pixels around (RandomCrop(size, padding)); 0: the large-image RandomResizedCrop(size)."""
-    u = uniforms(seed, epoch, index, 0, 2 * RRC_ATTEMPTS + 3)
+    u = uniforms(seed, epoch, index, 0, U["flip"] + 1)
     height, width = np.asarray(height, np.float64), np.asarray(width, np.float64)
     if padding:
         top = np.floor(u[:, 0] * (height + 2 * padding - size + 1)) - padding
@@ -168,7 +188,7 @@ def probe_crops(padding, size, seed, epoch, index, height, width):
         h = w = np.full_like(top, size)
     else:
         top, left, h, w = random_resized_crops(u, height, width, PROBE_SCALE)
-    return torch.from_numpy(np.stack([top, left, h, w, u[:, 2 * RRC_ATTEMPTS + 2] < 0.5], axis=1).astype(np.float64))
+    return torch.from_numpy(np.stack([top, left, h, w, u[:, U["flip"]] < 0.5], axis=1).astype(np.float64))
 
 
 @dataclasses.dataclass
@@ -183,9 +203,9 @@ class Photometric:
 
     @classmethod
     def of(cls, rows):
-        """From packed rows (N, PACKED) (or their photometric columns, (N, PACKED - 5))."""
-        p = rows[:, rows.shape[1] - (PACKED - 5):]
-        return cls(p[:, 0] > 0, p[:, 1:5].long(), p[:, 5:9].float(), p[:, 9] > 0, p[:, 10].float(), p[:, 11] > 0)
+        """From packed rows (N, PACKED)."""
+        return cls(rows[:, ROW["jitter"]] > 0, rows[:, ROW["order"]].long(), rows[:, ROW["factors"]].float(),
+                   rows[:, ROW["gray"]] > 0, rows[:, ROW["sigma"]].float(), rows[:, ROW["solarize"]] > 0)
 
     def as_args(self):
         return self.jitter, self.order, self.factors, self.gray, self.sigma, self.solarize
