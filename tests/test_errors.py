@@ -239,7 +239,7 @@ def test_bad_files(data, tmp_path):
                "has no val/ folder")
     blocker = tmp_path / "file"
     blocker.write_text("")
-    user_error(["--data", data, "--output-dir", str(blocker / "sub")] + base, "not writable")
+    user_error(["--data", data, "--output-dir", str(blocker / "sub")] + base, f"{blocker} is a file, not a folder")
     junk = tmp_path / "junk.pth"
     junk.write_bytes(b"not a checkpoint")
     user_error(["--data", data, "--output-dir", str(tmp_path / "j"), "--resume", str(junk)] + base,
