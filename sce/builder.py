@@ -159,8 +159,9 @@ class MomentumModel(nn.Module):
             self.momentum_encoder = split_batch_norm(self.momentum_encoder, bn_splits)
         for p in self.momentum_parameters():
             p.requires_grad = False
-        self.register_buffer("queue", F.normalize(torch.randn(queue_size, proj_dim), dim=1))
-        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long))
+        # queue_size 0: a method without a queue (BYOL's, SimSiam's kind): none is allocated, the loss gets None
+        self.register_buffer("queue", F.normalize(torch.randn(queue_size, proj_dim), dim=1) if queue_size else None)
+        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long) if queue_size else None)
 
     def online_parameters(self):
         return list(self.encoder.parameters()) + list(self.projector.parameters())
@@ -227,15 +228,16 @@ class MomentumModel(nn.Module):
         keys = {t: self.target(views[t]) for t in targets}
         queries = {v: self.online(views[v]) for v in sorted({v for _, v in pairs})}
         # every term of the step uses the queue from before this step's keys
-        queue = self.queue.clone().detach()
+        queue = self.queue.clone().detach() if self.queue is not None else None
         # the criterion in fp32 whatever --amp: bf16's 8-bit mantissa puts ~0.01 of error on a cosine, ~0.1 on it
         # over tau_m, before the softmax that builds SCE's target; a few small matrix products beside the trunk
-        with torch.autocast(queue.device.type, enabled=False):
+        with torch.autocast(views[0].device.type, enabled=False):
             loss = 0
             for t, v in pairs:  # a loop, not sum() of a generator: the loss one call below the forward
                 loss = loss + self.criterion(queries[v], keys[t], queue)
             loss = loss / len(pairs)
-        self.enqueue(torch.cat([keys[t] for t in targets]))
+        if queue is not None:
+            self.enqueue(torch.cat([keys[t] for t in targets]))
         t, v = pairs[0]
         return loss, (queries[v].detach(), keys[t], queue)
 

@@ -105,7 +105,9 @@ def eq10_terms(args):
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A method whole: main_pretrain.py's --method NAME. Adding one is its loss function above and its record in
-    METHODS (and, for benchmarks/reproduction/reproduce.sh, its row of the paper's table in reproduce_tools.py's PAPER)."""
+    METHODS (and, for benchmarks/reproduction/reproduce.sh, its row of the paper's table in reproduce_tools.py's
+    PAPER). Its loss is f(q, k, queue) (queue None for a method without one); the model's shape is the record's
+    defaults of main_pretrain.py's flags, which a flag given on the command line overrides."""
     about: str  # what it optimises, for --help
     criterion: object  # (args, lam=None) -> functools.partial of its loss function with the run's settings
     tau: float  # --tau's default
@@ -114,6 +116,10 @@ class Method:
     resume: tuple  # the settings (args keys) its loss and terms read: a resumed run keeps them
     flags: tuple = ()  # (flag, argparse keywords) of the flags only it reads, added to main_pretrain.py's parser
     terms: object = None  # (args) -> f(q, k, queue) -> {name: value}, logged beside the loss; None: the loss only
+    queue: bool = True  # a queue of past keys (--queue-size's default 65536); False: none is allocated
+    symmetric: bool = False  # --symmetric's default: both global views serve as targets
+    predictor: tuple = ()  # --pred-hidden-dims' default: the predictor's hidden widths; (): no predictor
+    projector: tuple = ((2048, 2048), 256, "affine")  # --proj-hidden-dims, --proj-dim and --proj-last-bn's defaults
 
 
 SCE_FLAGS = (

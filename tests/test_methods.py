@@ -1,0 +1,89 @@
+"""A method is one record of sce.losses.METHODS plus its loss: a BYOL-style method (a predictor, a symmetric loss,
+no queue) is added as one record and trains a step through main_pretrain.py's flags, its model's shape read from
+the record; a method without a queue allocates none; the help's defaults come from the records."""
+import dataclasses
+import functools
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import main_pretrain
+from sce import cli, losses
+from sce.builder import build_model
+from sce.step import Training, train_step
+from sce.optim import build_optimizer
+
+
+def byol_loss(q, k, queue):
+    """BYOL's regression of the online prediction onto the target: 2 - 2 cos(q, k); it reads no queue."""
+    assert queue is None
+    return (2 - 2 * (q * k).sum(dim=1)).mean()
+
+
+BYOL = losses.Method("BYOL's regression", lambda args, lam=None: functools.partial(byol_loss), tau=1.0, tau_m=1.0,
+                     views=("strong", "strong"), resume=(), queue=False, symmetric=True, predictor=(24,),
+                     projector=((24,), 12, "none"))
+
+
+@pytest.fixture
+def with_byol(monkeypatch):
+    monkeypatch.setitem(losses.METHODS, "byol", BYOL)
+    yield importlib.reload(main_pretrain)  # the parser's --method choices and help read the records
+    monkeypatch.undo()
+    importlib.reload(main_pretrain)
+
+
+def test_a_byol_style_method_is_one_record_and_trains_a_step(with_byol):
+    script = with_byol
+    args = script.parse_args(["--data", "d", "--method", "byol", "--arch", "resnet18", "--small-input",
+                              "--crop-size", "16", "--batch-size", "8"])
+    assert (args.symmetric, args.pred_hidden_dims, args.queue_size) == (True, [24], 0)
+    assert (args.proj_hidden_dims, args.proj_dim, args.proj_last_bn) == ([24], 12, "none")
+    assert script.check_args(args) == 1
+    torch.manual_seed(0)
+    model = build_model(args, losses.criterion(args))
+    assert model.queue is None and "queue" not in model.state_dict()  # nothing allocated
+    assert isinstance(model.predictor[0], torch.nn.Linear) and model.pairs(2) == [(0, 1), (1, 0)]
+    before = [p.clone() for p in model.online_parameters()]
+    optimizer = build_optimizer("sgd", model, 0.1, 0.0)
+    views = [torch.randn(8, 3, 16, 16) for _ in range(2)]
+    loss, finite, terms = train_step(Training(model, model, optimizer), views, 0.99)
+    assert finite and terms is None and 0 <= loss <= 4
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.online_parameters()))
+    with pytest.raises(cli.UserError, match="--queue-size is a setting of a method with a queue"):
+        script.check_args(script.parse_args(["--data", "d", "--method", "byol", "--queue-size", "64"]))
+    help_text = script.parser.format_help()
+    assert "byol 1.0" in help_text and "byol none" in help_text  # --tau's and --queue-size's from the record
+
+
+def test_the_help_reads_each_record_and_the_model_takes_its_shape():
+    help_text = " ".join(main_pretrain.parser.format_help().split())
+    assert f"(default: the method's: {cli.per_method(lambda m: m.tau)})" in help_text
+    sce = main_pretrain.parse_args(["--data", "d"])
+    assert (sce.queue_size, sce.symmetric, sce.pred_hidden_dims) == (cli.QUEUE_SIZE, False, [])
+    changed = dataclasses.replace(losses.METHODS["moco"], symmetric=True, predictor=(32,))
+    queue_less = dataclasses.replace(changed, queue=False)
+    for record in (changed, queue_less):
+        losses.METHODS["moco"], saved = record, losses.METHODS["moco"]
+        try:
+            args = main_pretrain.parse_args(["--data", "d", "--method", "moco"])
+        finally:
+            losses.METHODS["moco"] = saved
+        assert (args.symmetric, args.pred_hidden_dims, args.queue_size > 0) == (True, [32], record.queue)
+    given = main_pretrain.parse_args(["--data", "d", "--no-symmetric", "--pred-hidden-dims"])
+    assert given.symmetric is False and given.pred_hidden_dims == []  # a flag given wins over the record
+
+
+def test_a_queue_is_allocated_only_for_a_method_with_one():
+    kwargs = dict(arch="resnet18", small_input=True, proj_hidden_dims=(8,), proj_dim=4)
+    with_queue = losses.METHODS["sce"]
+    assert with_queue.queue and build_model_queue(kwargs, 64).shape == (64, 4)
+    assert build_model_queue(kwargs, 0) is None
+
+
+def build_model_queue(kwargs, size):
+    from sce.builder import MomentumModel
+    model = MomentumModel(lambda q, k, queue: F.mse_loss(q, k), queue_size=size, **kwargs)
+    return model.queue
