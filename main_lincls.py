@@ -207,11 +207,7 @@ def linear(args, frozen, source, device, split):
                                 exclude_bias_norm=True)
     model = Head(frozen, head, ddp, optimizer, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"))
     if args.evaluate:
-        acc1, acc5, loss = validate(probe, model, val.batches(probe.per_rank), device)
-        if du.is_main():
-            print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
-            write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
-        return
+        return evaluate_head(args, probe, model, val, source, device)
     start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device, train_data)
     tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
     run = Run(args=args, probe=probe, model=model, train=train.batches(probe.per_rank, sampler),
@@ -252,12 +248,25 @@ def linear(args, frozen, source, device, split):
     if tensorboard:
         tensorboard.close()
     if du.is_main():
-        if start_epoch == args.epochs:
-            print(f"=> the probe in {args.output_dir} is already complete ({args.epochs} epochs): its result is "
-                  "reported again; raise --epochs to train longer", flush=True)
-        print(f"Acc@1 {acc[0]:.2f} (best Acc@1 {best:.2f})", flush=True)
-        write_results(args, {"acc1": acc[0], "acc5": acc[1], "best_acc1": best, "epochs": args.epochs,
-                             "pretrained": os.path.abspath(args.pretrained or source), "timing": timed})
+        report_probe(args, source, start_epoch == args.epochs, best, acc, timed)
+
+
+def evaluate_head(args, probe, model, val, source, device):
+    """--evaluate: the val accuracy of a trained head, said and written."""
+    acc1, acc5, loss = validate(probe, model, val.batches(probe.per_rank), device)
+    if du.is_main():
+        print(f"Acc@1 {acc1:.2f} Acc@5 {acc5:.2f} loss {loss:.4f}", flush=True)
+        write_results(args, {"evaluate": os.path.abspath(source), "acc1": acc1, "acc5": acc5}, "evaluate")
+
+
+def report_probe(args, source, was_complete, best, acc, timed):
+    """The probe's last line and results_linear.json (again, when the probe was complete already)."""
+    if was_complete:
+        print(f"=> the probe in {args.output_dir} is already complete ({args.epochs} epochs): its result is "
+              "reported again; raise --epochs to train longer", flush=True)
+    print(f"Acc@1 {acc[0]:.2f} (best Acc@1 {best:.2f})", flush=True)
+    write_results(args, {"acc1": acc[0], "acc5": acc[1], "best_acc1": best, "epochs": args.epochs,
+                         "pretrained": os.path.abspath(args.pretrained or source), "timing": timed})
 
 
 def load_head(head, ckpt, source, args, num_classes):

@@ -136,37 +136,24 @@ def lowshot(args):
     train_x = features("trainval", trainval_paths, trainval_y)
     test_x = features("test", test_paths, test_y)
 
+    results, all_fits = shots(args, train_x, trainval_y, test_x, test_y)
+    report(args, results, all_fits, frozen.arch)
+
+
+def shots(args, train_x, train_y, test_x, test_y):
+    """Each K of --shots: its draws (one for full), each an SVM fit per cost; the mAP and cost of each K, and the
+    fits' count (how many did not converge)."""
     results, all_fits = [], transfer.FitCount()
     for k in args.shots:
         runs = 1 if k == "full" else args.runs
         per_run = []
         for r in range(runs):
             idx = (np.arange(len(train_x)) if k == "full"
-                   else transfer.lowshot_draw(trainval_y, k, [args.seed, k, r]).ravel())
-            x, y = train_x[idx], trainval_y[idx]
+                   else transfer.lowshot_draw(train_y, k, [args.seed, k, r]).ravel())
             fits = transfer.FitCount()
-            if args.cost_selection == "test":
-                test = dict(jobs=args.jobs, difficult=args.difficult, count=fits)
-                per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, **test)[0] for c in args.costs}
-                per_run.append({"images": len(idx), "test_map": per_cost})
-            else:
-                splits = transfer.cv_splits(y, idx, args.cv_folds, args.seed, args.difficult)
-                drops = transfer.cv_drops(splits)
-                if drops:  # the same for every cost: said once per draw
-                    print(f"K {k} draw {r + 1}/{runs}: {drops}", flush=True)
-                cv = {c: transfer.svm_cv_map(x, splits, c, args.jobs, fits) for c in args.costs}
-                cost = max(cv, key=cv.get)  # first best on ties
-                mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, jobs=args.jobs, difficult=args.difficult,
-                                                 count=fits)[0]
-                per_run.append({"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap, "cv_drops": drops})
-            per_run[-1].update(fits=len(fits.stalled), unconverged_fits=sum(fits.stalled))
+            name = f"K {k} draw {r + 1}/{runs}"
+            per_run.append(draw(args, train_x[idx], train_y[idx], idx, test_x, test_y, fits, name))
             all_fits.stalled += fits.stalled
-            detail = per_run[-1]["test_map" if args.cost_selection == "test" else "cv_map"]
-            print(f"K {k} draw {r + 1}/{runs} ({len(idx)} images): {args.cost_selection} mAP per cost "
-                  + " ".join(f"{c:g}:{m:.2f}" for c, m in detail.items())
-                  + (f" -> cost {per_run[-1]['cost']:g} test mAP {per_run[-1]['map']:.2f}"
-                     if args.cost_selection == "cv" else "")
-                  + f" ({fits.note(transfer.SVM_MAX_ITER, noun='SVM fits')})", flush=True)
         if args.cost_selection == "test":  # PCL: the cost with the best mean over the draws
             means = {c: float(np.mean([run["test_map"][c] for run in per_run])) for c in args.costs}
             cost = max(means, key=means.get)
@@ -175,7 +162,37 @@ def lowshot(args):
             cost, maps = [run["cost"] for run in per_run], [run["map"] for run in per_run]
         results.append({"shots": k, "runs": runs, "mean": float(np.mean(maps)), "std": float(np.std(maps)),
                         "cost": cost, "maps": maps, "draws": per_run})
+    return results, all_fits
 
+
+def draw(args, x, y, idx, test_x, test_y, fits, name):
+    """One draw's fits: every cost against the test set (--cost-selection test), or the cost cross-validation picks
+    and its test mAP; its line said."""
+    if args.cost_selection == "test":
+        test = dict(jobs=args.jobs, difficult=args.difficult, count=fits)
+        per_cost = {c: transfer.svm_test_map(x, y, test_x, test_y, c, **test)[0] for c in args.costs}
+        run = {"images": len(idx), "test_map": per_cost}
+    else:
+        splits = transfer.cv_splits(y, idx, args.cv_folds, args.seed, args.difficult)
+        drops = transfer.cv_drops(splits)
+        if drops:  # the same for every cost: said once per draw
+            print(f"{name}: {drops}", flush=True)
+        cv = {c: transfer.svm_cv_map(x, splits, c, args.jobs, fits) for c in args.costs}
+        cost = max(cv, key=cv.get)  # first best on ties
+        mean_ap = transfer.svm_test_map(x, y, test_x, test_y, cost, jobs=args.jobs, difficult=args.difficult,
+                                         count=fits)[0]
+        run = {"images": len(idx), "cv_map": cv, "cost": cost, "map": mean_ap, "cv_drops": drops}
+    run.update(fits=len(fits.stalled), unconverged_fits=sum(fits.stalled))
+    detail = run["test_map" if args.cost_selection == "test" else "cv_map"]
+    print(f"{name} ({len(idx)} images): {args.cost_selection} mAP per cost "
+          + " ".join(f"{c:g}:{m:.2f}" for c, m in detail.items())
+          + (f" -> cost {run['cost']:g} test mAP {run['map']:.2f}" if args.cost_selection == "cv" else "")
+          + f" ({fits.note(transfer.SVM_MAX_ITER, noun='SVM fits')})", flush=True)
+    return run
+
+
+def report(args, results, all_fits, arch):
+    """The table of mAP per K, then lowshot.json."""
     print(f"\nVOC07 low-shot linear SVM, cost selection '{args.cost_selection}'"
           + (" (tuned on the test set: optimistic)" if args.cost_selection == "test" else "")
           + f", difficult labels: {args.difficult}")
@@ -186,7 +203,7 @@ def lowshot(args):
     print(all_fits.note(transfer.SVM_MAX_ITER, noun="SVM fits"))
     out = os.path.join(args.output_dir, "lowshot.json")
     outdir.write_json(out, {"checkpoint": os.path.abspath(args.pretrained), "encoder": args.encoder,
-                            "arch": frozen.arch, "cost_selection": args.cost_selection, "costs": args.costs,
+                            "arch": arch, "cost_selection": args.cost_selection, "costs": args.costs,
                             "seed": args.seed, "difficult": args.difficult, "std": "population (ddof 0) over draws",
                             "results": results})
     print(f"=> {out}")

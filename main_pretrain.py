@@ -37,22 +37,6 @@ DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_siz
             output_dir=os.path.join("runs", "demo"), knn_every=0)
 
 
-def per_method(default):
-    """'sce 0.1, moco 0.2, ressl 0.1': default(record) of each method, for --help."""
-    return ", ".join(f"{name} {default(m)}" for name, m in losses.METHODS.items())
-
-
-def add_method_flags(parser):
-    """The flags of each method's record, in a group per method; returns {action: the methods that read it}."""
-    owners = {}
-    for name, m in losses.METHODS.items():
-        group = parser.add_argument_group(f"--method {name}") if m.flags else None
-        for flag, kwargs in m.flags:
-            action = next((a for a in owners if flag in a.option_strings), None) or group.add_argument(flag, **kwargs)
-            owners.setdefault(action, []).append(name)
-    return owners
-
-
 parser = cli.make_parser(__doc__)
 g = parser.add_argument_group("data")
 g.add_argument("--data", metavar="DIR", help="dataset root; omitted: run the embedded digits demo")
@@ -65,12 +49,13 @@ g.add_argument("--class-list", metavar="FILE",
 g.add_argument("--augment", choices=["cpu", "gpu"],
                help="where the photometric augmentations run: in the loader workers (cpu, with PIL), or batched on "
                     "the training device (gpu; the workers only decode and crop) (default: gpu on CUDA, else cpu)")
-g.add_argument("--crop-size", type=int, default=224, help="size of the global views in pixels")
+g.add_argument("--crop-size", type=int,
+               help="size of the global views in pixels (default: --dataset's native size, e.g. 32 for CIFAR, else 224)")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(data.AUGMENTATIONS),
-               help=f"Table 2 row of online view 1 (default: the method's: {per_method(lambda m: m.views[0])})")
+               help=f"Table 2 row of online view 1 (default: the method's: {cli.per_method(lambda m: m.views[0])})")
 g.add_argument("--target-aug", choices=list(data.AUGMENTATIONS),
-               help=f"Table 2 row of target view 0 (default: the method's: {per_method(lambda m: m.views[1])})")
+               help=f"Table 2 row of target view 0 (default: the method's: {cli.per_method(lambda m: m.views[1])})")
 g.add_argument("--local-aug", default="strong-gamma", choices=list(data.AUGMENTATIONS),
                help="Table 2 row of local crops")
 g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], metavar="PX",
@@ -81,14 +66,20 @@ g.add_argument("--max-bad-images", type=int, default=-1,
                help="unreadable images tolerated before stopping (default: -1 = 0.1%% of the dataset)")
 g = parser.add_argument_group("model")
 g.add_argument("-a", "--arch", default="resnet50", help=f"torchvision ResNet: {', '.join(ARCHS)}")
-g.add_argument("--small-input", action="store_true", help="3x3 stride-1 conv1 and no max-pool, for 32-96 px images")
-g.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], metavar="DIM",
-               help="widths of the projector's hidden layers")
-g.add_argument("--proj-dim", type=int, default=256, help="projector output dimension")
-g.add_argument("--proj-last-bn", default="affine", choices=["none", "affine", "no-affine"],
-               help="BN after the projector's last layer (MoCo v3 and the authors' LARS runs: no-affine)")
-g.add_argument("--pred-hidden-dims", type=int, nargs="*", default=[], metavar="DIM",
-               help="widths of the predictor's hidden layers, e.g. 4096 (default: none = no predictor)")
+g.add_argument("--small-input", action=argparse.BooleanOptionalAction,
+               help="3x3 stride-1 conv1 and no max-pool, for 32-96 px images (default: on where --dataset's native "
+                    "size is 96 px or less)")
+g.add_argument("--proj-hidden-dims", type=int, nargs="*", metavar="DIM",
+               help=f"widths of the projector's hidden layers (default: the method's: "
+                    f"{cli.per_method(lambda m: ' '.join(map(str, m.projector[0])))})")
+g.add_argument("--proj-dim", type=int,
+               help=f"projector output dimension (default: the method's: {cli.per_method(lambda m: m.projector[1])})")
+g.add_argument("--proj-last-bn", choices=["none", "affine", "no-affine"],
+               help=f"BN after the projector's last layer (MoCo v3 and the authors' LARS runs: no-affine) (default: "
+                    f"the method's: {cli.per_method(lambda m: m.projector[2])})")
+g.add_argument("--pred-hidden-dims", type=int, nargs="*", metavar="DIM",
+               help=f"widths of the predictor's hidden layers, e.g. 4096; none: no predictor (default: the method's: "
+                    f"{cli.per_method(lambda m: ' '.join(map(str, m.predictor)) or 'none')})")
 g.add_argument("--sync-bn", action="store_true", help="synchronise BN statistics across ranks")
 g.add_argument("--shuffle-bn", action="store_true", help="MoCo shuffle-BN for the momentum branch")
 g.add_argument("--bn-splits", type=int, default=8,
@@ -102,15 +93,19 @@ g.add_argument("--split-bn", default="momentum", choices=["momentum", "all"],
 g = parser.add_argument_group("objective")
 g.add_argument("--method", default="sce", choices=list(losses.METHODS),
                help="; ".join(f"{name}: {m.about}" for name, m in losses.METHODS.items()))
-g.add_argument("--tau", type=float, help=f"online temperature (default: the method's: {per_method(lambda m: m.tau)})")
+g.add_argument("--tau", type=float, help=f"online temperature (default: the method's: {cli.per_method(lambda m: m.tau)})")
 g.add_argument("--tau-m", type=float,
-               help=f"target temperature (default: the method's: {per_method(lambda m: m.tau_m)})")
-g.add_argument("--queue-size", type=int, default=65536, help="memory buffer size M")
-g.add_argument("--symmetric", action="store_true", help="symmetrised loss: both global views serve as targets")
+               help=f"target temperature (default: the method's: {cli.per_method(lambda m: m.tau_m)})")
+g.add_argument("--queue-size", type=int,
+               help=f"memory buffer size M (default: {cli.QUEUE_SIZE} for a method with a queue, "
+                    f"{cli.per_method(lambda m: cli.QUEUE_SIZE if m.queue else 'none')})")
+g.add_argument("--symmetric", action=argparse.BooleanOptionalAction,
+               help=f"symmetrised loss: both global views serve as targets (default: the method's: "
+                    f"{cli.per_method(lambda m: 'on' if m.symmetric else 'off')})")
 g.add_argument("--ema-momentum", type=float, default=0.996, help="momentum-encoder EMA value at the first step, m0")
 g.add_argument("--ema-schedule", default="cosine", choices=["cosine", "constant"],
                help="EMA momentum from m0 to 1 along a cosine, or constant m0")
-METHOD_FLAGS = add_method_flags(parser)
+cli.add_method_flags(parser)
 g = parser.add_argument_group("optimisation")
 g.add_argument("--epochs", type=int, default=200, help="length of the schedules, in epochs")
 g.add_argument("-b", "--batch-size", type=int, default=512, help="global batch over all ranks")
@@ -170,99 +165,23 @@ def parse_args(argv=None):
     else:
         args.demo = False
     method = losses.METHODS[args.method]
-    args.tau = method.tau if args.tau is None else args.tau
-    args.tau_m = method.tau_m if args.tau_m is None else args.tau_m
-    args.online_aug = args.online_aug or method.views[0]
-    args.target_aug = args.target_aug or method.views[1]
+    # what a flag left unset takes: the method's record (its loss and the model's shape), then the dataset's row
+    for key, value in dict(tau=method.tau, tau_m=method.tau_m, online_aug=method.views[0],
+                           target_aug=method.views[1], proj_hidden_dims=list(method.projector[0]),
+                           proj_dim=method.projector[1], proj_last_bn=method.projector[2],
+                           pred_hidden_dims=list(method.predictor), symmetric=method.symmetric,
+                           queue_size=cli.QUEUE_SIZE if method.queue else 0).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dataset_note = cli.dataset_defaults(args)
     args.loss = losses.loss_name(args)
     return args
 
 
 def check_args(args, world_size=1, device=torch.device("cpu")):
-    """Impossible settings stop before anything is built, with one line (sizes that cannot fit the device's memory
-    included); --workers above the cores is capped to them. Returns the BN splits."""
-    cli.check_finite(args)
-    if args.arch not in ARCHS:
-        raise UserError(f"unknown arch '{args.arch}': use one of {', '.join(ARCHS)}")
-    if args.tau <= 0 or args.tau_m <= 0:
-        raise UserError(f"temperatures must be positive (got --tau {args.tau}, --tau-m {args.tau_m})")
-    if len(args.local_crop_scales) != 2 * len(args.local_crop_sizes):
-        raise UserError("--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry")
-    positive = {"--batch-size": args.batch_size, "--epochs": args.epochs, "--queue-size": args.queue_size,
-                "--print-freq": args.print_freq, "--save-freq": args.save_freq, "--proj-dim": args.proj_dim,
-                "--proj-hidden-dims": min(args.proj_hidden_dims, default=1),
-                "--pred-hidden-dims": min(args.pred_hidden_dims, default=1), "--knn-k": args.knn_k,
-                "--knn-t": args.knn_t, "--dist-timeout": args.dist_timeout, "--bn-splits": args.bn_splits,
-                "--knn-max-train": args.knn_max_train}
-    at_least_zero = {"--workers": args.workers, "--lr": args.lr,
-                     "--weight-decay": args.weight_decay,
-                     "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
-                     "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,
-                     "--knn-every": args.knn_every, "--max-nonfinite-steps": args.max_nonfinite_steps}
-    unit_interval = {"--lambda": args.lambda_, "--lambda-end": args.lambda_end,
-                     "--lambda-warmup-start": args.lambda_warmup_start, "--ema-momentum": args.ema_momentum,
-                     "--sgd-momentum": args.sgd_momentum}
-    cli.check_ranges(positive, at_least_zero, unit_interval)
-    cli.check_seed(args.seed)
-    args.workers = cli.cap_processes(args.workers)
-    scales = [(args.min_scale, 1.0)] + list(zip(args.local_crop_scales[::2], args.local_crop_scales[1::2]))
-    if not all(0 < low <= high <= 1 for low, high in scales):
-        raise UserError(f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) "
-                        f"need 0 < min <= max <= 1 (got {scales})")
-    if args.max_bad_images < -1:
-        raise UserError(f"--max-bad-images must be -1 (0.1% of the dataset) or a number of images >= 0 "
-                        f"(got {args.max_bad_images})")
-    if args.decode == "device" and args.augment == "cpu":
-        raise UserError("--decode device crops and augments on the device: drop --augment cpu")
-    if args.preload == "device" and args.augment == "cpu":
-        raise UserError("--preload device augments on the device: drop --augment cpu (or use --preload off)")
-    if losses.lambda_scheduled(args) and args.loss != "sce":
-        raise UserError(f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without "
-                        f"--loss-coeffs); this run uses {args.loss}")
-    for action, methods in METHOD_FLAGS.items():  # another method's flag would be silently ignored
-        if args.method not in methods and getattr(args, action.dest) != action.default:
-            raise UserError(f"{action.option_strings[0]} is a setting of --method {' / '.join(methods)}, not of "
-                            f"{args.method}: drop it or change --method")
-    smallest = min([args.crop_size] + args.local_crop_sizes)
-    if smallest < data.MIN_BLUR_SIZE:
-        raise UserError(f"crops of {smallest} px are too small to blur (sigma 2 reflects {data.MIN_BLUR_SIZE - 1} "
-                        f"px): use --crop-size / --local-crop-sizes of at least {data.MIN_BLUR_SIZE}")
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: "
-                        f"use a multiple of {world_size}")
-    keys_per_step = args.batch_size * (2 if args.symmetric else 1)
-    if args.queue_size % keys_per_step:
-        raise UserError(f"--queue-size {args.queue_size} is not a multiple of the {keys_per_step} keys "
-                        f"enqueued per step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
-    if args.sync_bn and world_size > 1 and device.type != "cuda":
-        raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
-    bn_splits = args.bn_splits if args.shuffle_bn and world_size == 1 else 1  # several ranks shuffle for real
-    if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
-        raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at "
-                        f"least 2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
-    check_sizes(args, args.batch_size // world_size, device)
-    return bn_splits
-
-
-def check_sizes(args, per_rank, device):
-    """One line for a step's views, the heads or the queue larger by itself than all of the device's memory, naming
-    the flags that size it (the heads' sizes are Python ints: no tensor is made)."""
-    sizes = [args.crop_size] * 2 + args.local_crop_sizes
-    with torch.device("meta"):  # the trunk's feature size, nothing allocated
-        feat_dim = build_trunk(args.arch, args.small_input)[1]
-    dims = [feat_dim] + args.proj_hidden_dims + [args.proj_dim]
-    pred = [args.proj_dim] + args.pred_hidden_dims + [args.proj_dim] if args.pred_hidden_dims else []
-    heads = 2 * sum(a * b for a, b in zip(dims, dims[1:])) + sum(a * b for a, b in zip(pred, pred[1:]))
-    keys = args.queue_size * (args.proj_dim + per_rank * (2 if args.symmetric else 1)) * 4  # and their logits
-    widths = {f"--{name.replace('_', '-')}": " ".join(map(str, getattr(args, name))) for name in
-              ("proj_hidden_dims", "pred_hidden_dims") if getattr(args, name)} | {"--proj-dim": args.proj_dim}
-    cli.check_memory(device, {
-        f"--batch-size {args.batch_size} with --crop-size {args.crop_size}: one step's views in float32":
-            (per_rank * sum(3 * s * s for s in sizes) * 4, "lower --batch-size or --crop-size"),
-        f"the heads of {' '.join(f'{k} {v}' for k, v in widths.items())}: their weights in float32, online and "
-        "momentum": (heads * 4, f"lower {' or '.join(widths)}"),
-        f"--queue-size {args.queue_size} keys of --proj-dim {args.proj_dim}: the queue and one step's logits against "
-        "it": (keys, "lower --queue-size or --proj-dim")})
+    """Impossible settings stop before anything is built, with one line (sce.cli.check_pretrain's rules); returns
+    the BN splits."""
+    return cli.check_pretrain(args, world_size, device, data.MIN_BLUR_SIZE)
 
 
 def resolve_device_defaults(args, device, world_size):
@@ -308,15 +227,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     split = timing.Split(compiles)  # where this invocation's wall time goes
     split.mark("imports")  # the interpreter, the imports, the flags, the process group
 
-    route, try_preload = data.choose_route(args.augment, args.decode, args.preload, device)
-    dataset = data.build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
-                                 read=data.READ[route])
-    if len(dataset) < args.batch_size and not args.preview_views:
-        raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
-                        "lower --batch-size")
-    sampler = data.ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
-    batches = data.from_flags(args, dataset, sampler, device, route, try_preload, dtype=cli.AMP[args.amp],
-                              budget=budget, compiles=compiles, preview=bool(args.preview_views))
+    dataset, sampler, batches = load_data(args, rank, world_size, device, budget, compiles)
     split.mark("data")  # listed, and preloaded where it is
     preview = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))[:8].tolist()
     if args.preview_views:  # the views of 8 images of epoch 0, as training makes them
@@ -336,6 +247,57 @@ def pretrain(args, rank, world_size, device, bn_splits):
     optimizer = build_optimizer(args.optimizer, model, schedules.base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
+    resumed = resume_run(args, model, optimizer, scaler, rank, data_id, monitor)
+    if resumed is None:  # complete
+        return
+    start_epoch, start_step, epoch_sums, tensorboard = resumed
+    if rank == 0:
+        outdir.write_json(os.path.join(args.output_dir, "args.json"), settings)
+    if args.compile:
+        compiling.compile_model(model, compiles)
+
+    first_step = start_epoch * sampler.steps + start_step
+    if tensorboard:  # what the augmentations do, once an invocation: 8 images of epoch 0
+        grid = data.views_grid(batches.views_of(preview), data.view_labels(args))
+        tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
+    split.mark("resume and TensorBoard")
+    ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
+    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args))
+    step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, compiles)
+    if rank == 0:
+        described = (f"CUDA graph after {GRAPH_WARMUP} steps" if args.cuda_graph else "compiled" if args.compile
+                     else "eager")
+        print("".join(f"=> {line}\n" for line in [args.dataset_note] if line) +
+              f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
+              f"on {world_size} rank(s), lr {schedules.base_lr:.4g}\n=> data: {batches.describe()}; step: "
+              f"{described}; amp {args.amp}", flush=True)
+    run = Run(args=args, training=training, step=step, schedules=schedules, lam=lam, batches=batches,
+              steps_per_epoch=sampler.steps, device=device, tensorboard=tensorboard,
+              preemption=Preemption(world_size, args.dist_timeout), first_step=first_step,
+              checkpoints=Writer(split.stopwatch("epoch_ends")), compiles=compiles, monitor=monitor, data=data_id)
+    top1 = train(run, sampler, split, start_epoch, start_step, epoch_sums)
+    if args.demo and rank == 0:
+        print(f"kNN top-1: {top1:.1f}% (untrained: {untrained:.1f}%)", flush=True)
+
+
+def load_data(args, rank, world_size, device, budget, compiles):
+    """(dataset, sampler, the batches of views the step takes: sce.data.from_flags)."""
+    route, try_preload = data.choose_route(args.augment, args.decode, args.preload, device)
+    dataset = data.build_dataset(args.dataset, args.data, "pretrain", class_list=args.class_list,
+                                 read=data.READ[route])
+    if len(dataset) < args.batch_size and not args.preview_views:
+        raise UserError(f"{args.data} has {len(dataset)} images, fewer than one batch of {args.batch_size}: "
+                        "lower --batch-size")
+    sampler = data.ResumableSampler(len(dataset), args.batch_size, rank, world_size, args.seed)
+    return dataset, sampler, data.from_flags(args, dataset, sampler, device, route, try_preload,
+                                             dtype=cli.AMP[args.amp], budget=budget, compiles=compiles,
+                                             preview=bool(args.preview_views))
+
+
+def resume_run(args, model, optimizer, scaler, rank, data_id, monitor):
+    """(start epoch, start step, the epoch's sums, TensorBoard's writer on rank 0) of this invocation, from the
+    checkpoint in --output-dir if any (sce.resume), its last epoch's line of log.txt completed if a failure left it
+    out; None when the run is complete already."""
     start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id)
     # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
     unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
@@ -345,39 +307,21 @@ def pretrain(args, rank, world_size, device, bn_splits):
             print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
         knn = monitor(model) if monitor and knn_due(args, start_epoch) else None
         log_epoch(args, start_epoch, last_stats, knn, tensorboard)
-    if start_epoch == args.epochs:
-        if rank == 0:
-            print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
-                  "raise --epochs to train longer", flush=True)
-        if tensorboard:
-            tensorboard.close()
-        return
+    if start_epoch < args.epochs:
+        return start_epoch, start_step, epoch_sums, tensorboard
     if rank == 0:
-        outdir.write_json(os.path.join(args.output_dir, "args.json"), settings)
-    if args.compile:
-        compiling.compile_model(model, compiles)
+        print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
+              "raise --epochs to train longer", flush=True)
+    if tensorboard:
+        tensorboard.close()
+    return None
 
-    ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
-    preemption = Preemption(world_size, args.dist_timeout)
-    first_step = start_epoch * sampler.steps + start_step
-    if tensorboard:  # what the augmentations do, once an invocation: 8 images of epoch 0
-        grid = data.views_grid(batches.views_of(preview), data.view_labels(args))
-        tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
-    split.mark("resume and TensorBoard")
-    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args))
-    step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, compiles)
-    if rank == 0:
-        print(f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
-              f"on {world_size} rank(s), lr {schedules.base_lr:.4g}", flush=True)
-        described = (f"CUDA graph after {GRAPH_WARMUP} steps" if args.cuda_graph else "compiled" if args.compile
-                     else "eager")
-        print(f"=> data: {batches.describe()}; step: {described}; amp {args.amp}", flush=True)
 
-    run = Run(args=args, training=training, step=step, schedules=schedules, lam=lam, batches=batches,
-              steps_per_epoch=sampler.steps, device=device, tensorboard=tensorboard, preemption=preemption,
-              first_step=first_step, checkpoints=Writer(split.stopwatch("epoch_ends")), compiles=compiles,
-              monitor=monitor, data=data_id)
-    nonfinite, result, done = torch.zeros((), device=device), None, start_epoch
+def train(run, sampler, split, start_epoch, start_step, epoch_sums):
+    """The epochs from (start_epoch, start_step) to --epochs, or to a stop: each epoch's steps, then its end; the
+    one way out through sce.epoch.finish (exit 75 after a stop request); the time split written however it ends.
+    Returns the demo's kNN top-1 after it (else None)."""
+    args, nonfinite, result, done = run.args, torch.zeros((), device=run.device), None, start_epoch
     split.loop()
     try:
         for epoch in range(start_epoch, args.epochs):
@@ -388,20 +332,19 @@ def pretrain(args, rank, world_size, device, bn_splits):
                 break
             done = epoch + 1
             end_epoch(run, done, result.stats, split)
-            if preemption.requested() or (args.stop_after_epochs and done - start_epoch >= args.stop_after_epochs):
+            stop_after = args.stop_after_epochs and done - start_epoch >= args.stop_after_epochs
+            if run.preemption.requested() or stop_after:
                 break
         split.done()
         finish(run, result, done)  # exits 75 after a stop request, the run not complete
-        top1 = monitor(model)[0] if args.demo else None
+        return run.monitor(run.training.model)[0] if args.demo else None  # the demo's last kNN, in the split
     except BaseException as e:
         if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
             run.checkpoints.wait(quiet=True)
         raise
     finally:  # however the loop ended: complete, stopped (exit 75) or failed
-        if rank == 0:
+        if du.is_main():
             split.write(args.output_dir, epochs=[start_epoch, done])
-    if args.demo and rank == 0:
-        print(f"kNN top-1: {top1:.1f}% (untrained: {untrained:.1f}%)", flush=True)
 
 
 def knn_monitor(args, device, budget, split, batches, data_id):

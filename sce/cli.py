@@ -14,9 +14,9 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, alive, stopped_during_startup, timing
+from sce import UserError, alive, layouts, losses, stopped_during_startup, timing
 from sce import distributed as du
-from sce.builder import ARCHS
+from sce.builder import ARCHS, build_trunk
 from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Interrupted, Stopped, stop_during_startup
 
 # ---------------------------------------------------------------- --help
@@ -140,6 +140,157 @@ def check_seed(seed, most=SEED_MAX, why=""):
 
 
 AMP = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- main_pretrain.py's flags and checks
+
+QUEUE_SIZE = 65536  # --queue-size's default for a method with a queue: the paper's ImageNet runs'
+
+
+def per_method(default):
+    """'sce 0.1, moco 0.2, ressl 0.1': default(record) of each method (sce.losses.METHODS), for --help."""
+    return ", ".join(f"{name} {default(m)}" for name, m in losses.METHODS.items())
+
+
+def add_method_flags(parser):
+    """The flags of each method's record, in a group per method (a flag two methods read, once);
+    check_method_flags refuses one that the run's method does not read."""
+    added = set()
+    for name, m in losses.METHODS.items():
+        group = parser.add_argument_group(f"--method {name}") if m.flags else None
+        for flag, kwargs in m.flags:
+            if flag not in added:
+                group.add_argument(flag, **kwargs)
+                added.add(flag)
+
+
+def dataset_defaults(args):
+    """--crop-size and --small-input from --dataset's native size (its row of sce.layouts.DATASETS) where not given
+    (224 and off without one); the line main_pretrain.py says of them when the row has a size (else None)."""
+    native = getattr(layouts.DATASETS.get(args.dataset), "native_size", None)
+    wanted = {"crop_size": native or 224, "small_input": bool(native and native <= 96)}
+    shown = {"crop_size": lambda v: f"--crop-size {v}", "small_input": lambda v: f"--{'' if v else 'no-'}small-input"}
+    given = [shown[k](getattr(args, k)) for k, v in wanted.items() if getattr(args, k) not in (None, v)]
+    for key, value in wanted.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not native:
+        return None
+    return (f"--dataset {args.dataset}, {native} px: {shown['crop_size'](args.crop_size)} "
+            f"{shown['small_input'](args.small_input)}" + (f" (given, against its size: {', '.join(given)})"
+                                                            if given else " (its native size)"))
+
+
+def refuse(rules, args):
+    """The first of `rules`, (when(args), the line(args)) pairs, that holds, as one line."""
+    for when, line in rules:
+        if when(args):
+            raise UserError(line(args))
+
+
+# what main_pretrain.py refuses beyond the flags' ranges: (when, the line naming the fix)
+PRETRAIN_RULES = [
+    (lambda a: a.arch not in ARCHS, lambda a: f"unknown arch '{a.arch}': use one of {', '.join(ARCHS)}"),
+    (lambda a: not (a.tau > 0 and a.tau_m > 0),
+     lambda a: f"temperatures must be positive (got --tau {a.tau}, --tau-m {a.tau_m})"),
+    (lambda a: len(a.local_crop_scales) != 2 * len(a.local_crop_sizes),
+     lambda a: "--local-crop-scales needs two numbers (min max) per --local-crop-sizes entry"),
+    (lambda a: not all(0 < low <= high <= 1 for low, high in crop_scales(a)),
+     lambda a: f"crop scales are area shares: --min-scale and each --local-crop-scales pair (min max) need "
+               f"0 < min <= max <= 1 (got {crop_scales(a)})"),
+    (lambda a: a.max_bad_images < -1, lambda a: f"--max-bad-images must be -1 (0.1% of the dataset) or a number of "
+                                                f"images >= 0 (got {a.max_bad_images})"),
+    (lambda a: a.decode == "device" and a.augment == "cpu",
+     lambda a: "--decode device crops and augments on the device: drop --augment cpu"),
+    (lambda a: a.preload == "device" and a.augment == "cpu",
+     lambda a: "--preload device augments on the device: drop --augment cpu (or use --preload off)"),
+    (lambda a: losses.lambda_scheduled(a) and a.loss != "sce",
+     lambda a: f"--lambda-schedule / --lambda-warmup-steps need the SCE loss (--method sce without --loss-coeffs); "
+               f"this run uses {a.loss}"),
+    (lambda a: not losses.METHODS[a.method].queue and a.queue_size,
+     lambda a: f"--queue-size is a setting of a method with a queue; --method {a.method} has none: drop it"),
+]
+
+
+def crop_scales(args):
+    return [(args.min_scale, 1.0)] + list(zip(args.local_crop_scales[::2], args.local_crop_scales[1::2]))
+
+
+def check_pretrain(args, world_size, device, min_crop):
+    """main_pretrain.py's settings checked before anything is built: one line for the first impossible one (sizes
+    that cannot fit the device's memory included; crops under `min_crop` px, which the blur cannot reflect);
+    --workers above the cores capped to them. Returns the BN splits."""
+    check_finite(args)
+    check_ranges({"--batch-size": args.batch_size, "--epochs": args.epochs, "--print-freq": args.print_freq,
+                  "--save-freq": args.save_freq, "--proj-dim": args.proj_dim, "--knn-k": args.knn_k,
+                  "--proj-hidden-dims": min(args.proj_hidden_dims, default=1), "--knn-t": args.knn_t,
+                  "--pred-hidden-dims": min(args.pred_hidden_dims, default=1), "--dist-timeout": args.dist_timeout,
+                  "--bn-splits": args.bn_splits, "--knn-max-train": args.knn_max_train,
+                  "--queue-size": args.queue_size if losses.METHODS[args.method].queue else None},
+                 {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
+                  "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
+                  "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,
+                  "--knn-every": args.knn_every, "--max-nonfinite-steps": args.max_nonfinite_steps},
+                 {"--lambda": args.lambda_, "--lambda-end": args.lambda_end, "--sgd-momentum": args.sgd_momentum,
+                  "--lambda-warmup-start": args.lambda_warmup_start, "--ema-momentum": args.ema_momentum})
+    check_seed(args.seed)
+    args.workers = cap_processes(args.workers)
+    refuse(PRETRAIN_RULES, args)
+    check_method_flags(args)
+    smallest = min([args.crop_size] + args.local_crop_sizes)
+    if smallest < min_crop:
+        raise UserError(f"crops of {smallest} px are too small to blur (sigma 2 reflects {min_crop - 1} px): use "
+                        f"--crop-size / --local-crop-sizes of at least {min_crop}")
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is not divisible by the {world_size} ranks: use a multiple "
+                        f"of {world_size}")
+    keys_per_step = args.batch_size * (2 if args.symmetric else 1)
+    if args.queue_size % keys_per_step:
+        raise UserError(f"--queue-size {args.queue_size} is not a multiple of the {keys_per_step} keys enqueued per "
+                        f"step: use e.g. {max(1, args.queue_size // keys_per_step) * keys_per_step}")
+    if args.sync_bn and world_size > 1 and device.type != "cuda":
+        raise UserError("--sync-bn needs GPUs (torch's SyncBatchNorm has no CPU kernel): drop it on CPU")
+    bn_splits = args.bn_splits if args.shuffle_bn and world_size == 1 else 1  # several ranks shuffle for real
+    if bn_splits > 1 and (args.batch_size % bn_splits or args.batch_size // bn_splits < 2):
+        raise UserError(f"--bn-splits {bn_splits} must divide the batch of {args.batch_size} into chunks of at "
+                        f"least 2 images: use a divisor of {args.batch_size} up to {args.batch_size // 2}")
+    check_sizes(args, args.batch_size // world_size, device)
+    return bn_splits
+
+
+def check_method_flags(args):
+    """A flag that only another method reads (its record's `flags`) would be silently ignored: one line."""
+    owners = {}
+    for name, method in losses.METHODS.items():
+        for flag, kwargs in method.flags:
+            dest = kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
+            default = kwargs.get("default", {"store_true": False, "store_false": True}.get(kwargs.get("action")))
+            owners.setdefault((flag, dest, default), []).append(name)
+    for (flag, dest, default), methods in owners.items():
+        if args.method not in methods and getattr(args, dest) != default:
+            raise UserError(f"{flag} is a setting of --method {' / '.join(methods)}, not of {args.method}: drop it "
+                            "or change --method")
+
+
+def check_sizes(args, per_rank, device):
+    """One line for a step's views, the heads or the queue larger by itself than all of the device's memory, naming
+    the flags that size it (the heads' sizes are Python ints: no tensor is made)."""
+    sizes = [args.crop_size] * 2 + args.local_crop_sizes
+    with torch.device("meta"):  # the trunk's feature size, nothing allocated
+        feat_dim = build_trunk(args.arch, args.small_input)[1]
+    dims = [feat_dim] + args.proj_hidden_dims + [args.proj_dim]
+    pred = [args.proj_dim] + args.pred_hidden_dims + [args.proj_dim] if args.pred_hidden_dims else []
+    heads = 2 * sum(a * b for a, b in zip(dims, dims[1:])) + sum(a * b for a, b in zip(pred, pred[1:]))
+    keys = args.queue_size * (args.proj_dim + per_rank * (2 if args.symmetric else 1)) * 4  # and their logits
+    widths = {f"--{name.replace('_', '-')}": " ".join(map(str, getattr(args, name))) for name in
+              ("proj_hidden_dims", "pred_hidden_dims") if getattr(args, name)} | {"--proj-dim": args.proj_dim}
+    check_memory(device, {
+        f"--batch-size {args.batch_size} with --crop-size {args.crop_size}: one step's views in float32":
+            (per_rank * sum(3 * s * s for s in sizes) * 4, "lower --batch-size or --crop-size"),
+        f"the heads of {' '.join(f'{k} {v}' for k, v in widths.items())}: their weights in float32, online and "
+        "momentum": (heads * 4, f"lower {' or '.join(widths)}"),
+        f"--queue-size {args.queue_size} keys of --proj-dim {args.proj_dim}: the queue and one step's logits against "
+        "it": (keys, "lower --queue-size or --proj-dim")})
 
 
 def add_runtime_args(g, output_dir, output_help, seed_help, compile_help, resume_help=None, torchrun=False):

@@ -75,8 +75,11 @@ def test_every_flag_has_a_description(script):
     elif script == "main_lowshot.py":
         assert "--shots K [K ...]" in text and "(default: 16 32 64 full)" in text
     else:  # each method's defaults, from its record; its own flags in a group of their own
-        assert flag_help(text, "--tau").endswith("(default: the method's: sce 0.1, moco 0.2, ressl 0.1)")
-        assert flag_help(text, "--target-aug").endswith("(default: the method's: sce weak, moco strong, ressl weak)")
+        from sce import cli, losses  # the records' values, not a copy of them
+        assert flag_help(text, "--tau").endswith(f"(default: the method's: {cli.per_method(lambda m: m.tau)})")
+        assert flag_help(text, "--target-aug").endswith(f"(default: the method's: "
+                                                        f"{cli.per_method(lambda m: m.views[1])})")
+        assert set(losses.METHODS) == {"sce", "moco", "ressl"} and "moco 0.2" in flag_help(text, "--tau")
         assert "moco: MoCo v2's InfoNCE, eq. 1" in flag_help(text, "--method")
         assert text.index("\n--method sce:\n") < text.index("  --mask-positive") < text.index("\noptimisation:")
 
@@ -232,3 +235,14 @@ def test_the_layers_and_the_import_depth():
         return 1 + max((depth(t, seen + (f,)) for t in graph.get(f, ())), default=0)
     deepest = max(depth(os.path.join(REPO, s)) for s in SCRIPTS)
     assert deepest <= MAX_DEPTH, f"a chain of {deepest} files"
+
+
+def test_the_scripts_read_as_flows():
+    """Each main_*.py reads top to bottom: main_pretrain.py within 380 lines, no function of a script over 65 (their
+    input checks live in sce/cli.py: check_pretrain, PRETRAIN_RULES)."""
+    import ast
+    assert len(open(os.path.join(REPO, "main_pretrain.py")).read().splitlines()) <= 380
+    for script in SCRIPTS:
+        for node in ast.walk(ast.parse(open(os.path.join(REPO, script)).read())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.end_lineno - node.lineno + 1 <= 65, (script, node.name)
