@@ -214,8 +214,8 @@ def test_a_view_equals_torchvision_v2_and_pil_from_the_same_parameters(aug, phot
     p = views.Photometric.of(rows)
     crops = torch.cat([ops.resized_crops(image[None], r[None], 40) for r in rows])  # one by one, as the workers
     scale, shift = ops.normalization("cpu")
-    view = finish_view(crops, rows, views.ViewSpec(aug, 40).photometric, scale, shift, torch.bfloat16,
-                       torch.channels_last)
+    view = finish_view(crops, rows, views.ViewSpec(aug, 40).photometric, scale=scale, shift=shift,
+                       dtype=torch.bfloat16, memory_format=torch.channels_last)
     reference = torch.stack([reference_chain(crops[i] / 255, p, i) for i in range(len(rows))])
     expected = (reference - torch.tensor(ops.MEAN).view(1, 3, 1, 1)) / torch.tensor(ops.STD).view(1, 3, 1, 1)
     assert view.dtype == torch.bfloat16 and view.is_contiguous(memory_format=torch.channels_last)
@@ -247,7 +247,7 @@ def test_blur_has_the_requested_sigma_at_every_size(size):
         assert effective_sigma(device[0, 0]) == pytest.approx(sigma, rel=0.1), ("tensor", size, sigma)
         row = torch.zeros(views.PACKED, dtype=torch.float64)
         row[:4] = torch.tensor([0, 0, size, size])
-        row[-2] = sigma  # only the blur
+        row[views.ROW["sigma"]] = sigma  # only the blur
         view = views.pil_view(pil, views.ViewSpec("weak", size), row)
         cpu = view[0] * ops.STD[0] + ops.MEAN[0]
         assert effective_sigma(cpu) == pytest.approx(sigma, rel=0.1), ("pil", size, sigma)
@@ -263,18 +263,19 @@ def test_compiled_views_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatc
     image = torch.randint(0, 256, (3, 60, 70), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     rows = views.draw(views.ViewSpec("strong-gamma", 32), 0, 0, np.arange(16), 1, [60] * 16, [70] * 16)
     crops = torch.cat([ops.resized_crops(image[None], r[None], 32) for r in rows])  # one by one, as the workers
-    args = (crops, rows, True, *ops.normalization("cpu"), torch.bfloat16, torch.channels_last)
-    eager, compiled = finish_view(*args), Views([], "cpu", compile=True, compiles=Log()).run(finish_view, *args)
+    args, output = (crops, rows, True), dict(dtype=torch.bfloat16, channels_last=True)
+    runner = Views([], "cpu", compile=True, compiles=Log(), **output)
+    eager, compiled = finish_view(*args, **runner.output), runner.run(finish_view, *args)
     assert compiled.dtype == torch.bfloat16 and compiled.is_contiguous(memory_format=torch.channels_last)
     assert (compiled.float() - eager.float()).abs().max() <= 0.016  # 1 bf16 step at 2-4, from fp32 rounding
     assert (compiled.float() != eager.float()).float().mean() < 0.01
 
     def broken_compile(fn, **kwargs):
-        def fail(*a):
+        def fail(*a, **k):
             raise RuntimeError("Cannot find a working triton installation\nmore lines")
         return fail
     monkeypatch.setattr(torch, "compile", broken_compile)
-    runner = Views([], "cpu", compile=True, compiles=Log())
+    runner = Views([], "cpu", compile=True, compiles=Log(), **output)
     with pytest.warns(UserWarning, match=r"torch.compile of the views failed \(Cannot find a working triton "
                                          r"installation\): running it eagerly"):
         out = runner.run(finish_view, *args)

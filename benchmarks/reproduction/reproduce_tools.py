@@ -383,7 +383,8 @@ def main(argv):
     elif command == "check":
         check(*rest)
     elif command == "show":
-        show(*rest[:7], rest[7:])
+        log, pid, start, out, env_file, method, linear_flags, *run_methods = rest
+        show(log, pid, start, out, env_file=env_file, method=method, linear_flags=linear_flags, methods=run_methods)
     else:
         table(rest[0], rest[1], rest[2:])
 

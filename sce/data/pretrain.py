@@ -144,7 +144,7 @@ def collate(samples, route):
 
 # ---------------------------------------------------------------- the device's side
 
-def finish_view(crops, rows, photometric, scale, shift, dtype, memory_format):
+def finish_view(crops, rows, photometric, *, scale, shift, dtype, memory_format):
     """Crops (N, 3, s, s) in [0, 255] and their packed rows on the device -> the normalised view (the photometric
     ops where the view has any)."""
     x = crops.float() / 255
@@ -153,10 +153,10 @@ def finish_view(crops, rows, photometric, scale, shift, dtype, memory_format):
     return ops.normalize(x, scale, shift, dtype, memory_format)
 
 
-def preloaded_view(images, rows, size, photometric, scale, shift, dtype, memory_format):
-    """One view of a batch of preloaded uint8 images (N, 3, H, W) with its packed rows -> the normalised view."""
-    crops = ops.resized_crops(images, rows, size)
-    return finish_view(crops, rows, photometric, scale, shift, dtype=dtype, memory_format=memory_format)
+def preloaded_view(images, rows, size, photometric, **output):
+    """One view of a batch of preloaded uint8 images (N, 3, H, W) with its packed rows -> the normalised view;
+    output: finish_view's (the normalisation's scale and shift, the dtype, the memory format)."""
+    return finish_view(ops.resized_crops(images, rows, size), rows, photometric, **output)
 
 
 class Views:
@@ -166,12 +166,14 @@ class Views:
 
     def __init__(self, specs, device, dtype=None, channels_last=False, compile=False, compiles=None):
         self.specs, self.device = specs, device
-        self.settings = (*ops.normalization(device), dtype or torch.float32,
-                         torch.channels_last if channels_last else torch.contiguous_format)
+        scale, shift = ops.normalization(device)
+        self.output = dict(scale=scale, shift=shift, dtype=dtype or torch.float32,  # how every view leaves
+                           memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         self.fallback = None
         if compile:
             compiled = {fn: compile_function(fn, compiles) for fn in (finish_view, preloaded_view)}
-            self.fallback = Fallback("the views", lambda fn, *a: compiled[fn](*a), lambda fn, *a: fn(*a))
+            self.fallback = Fallback("the views", lambda fn, *a, **k: compiled[fn](*a, **k),
+                                     lambda fn, *a, **k: fn(*a, **k))
             # one compile per view (size, Table 2 row): multi-crop's 6 views pass dynamo's default limit of 8
             allow_recompiles(64)
 
@@ -180,17 +182,17 @@ class Views:
         return self.fallback.failed if self.fallback else None
 
     def run(self, fn, *args, eager=False):
-        return fn(*args) if eager or self.fallback is None else self.fallback(fn, *args)
+        return fn(*args, **self.output) if eager or self.fallback is None else self.fallback(fn, *args, **self.output)
 
     def finish(self, crops, rows, eager=False):
         """Per view its crops and rows, on the device or on their way -> the list of normalised views."""
         return [self.run(finish_view, c.to(self.device, non_blocking=True), r.to(self.device, non_blocking=True),
-                         spec.photometric, *self.settings, eager=eager)
+                         spec.photometric, eager=eager)
                 for spec, c, r in zip(self.specs, crops, rows)]
 
     def preloaded(self, images, rows, eager=False):
         """A batch of preloaded images and per view their rows on the device -> the list of normalised views."""
-        return [self.run(preloaded_view, images, r, spec.size, spec.photometric, *self.settings, eager=eager)
+        return [self.run(preloaded_view, images, r, spec.size, spec.photometric, eager=eager)
                 for spec, r in zip(self.specs, rows)]
 
 
@@ -306,7 +308,8 @@ class CpuRoute(LoaderRoute):
     where = "views in the loader workers"
 
     def to_views(self, epoch, index, payload, note_bad, eager):
-        return [v.to(self.device, non_blocking=True).to(self.views.settings[2], memory_format=self.views.settings[3])
+        out = self.views.output
+        return [v.to(self.device, non_blocking=True).to(out["dtype"], memory_format=out["memory_format"])
                 for v in payload[0]]
 
 
