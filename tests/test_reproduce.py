@@ -300,3 +300,21 @@ def test_smoke_reads_official_files_as_the_scripts_do(tmp_path):
                 image, target = official[int(os.path.basename(path)[:-4])]
                 assert os.path.basename(os.path.dirname(path)) == f"class_{target:03d}", (dataset, split, path)
                 assert np.array_equal(np.asarray(Image.open(path)), np.asarray(image.convert("RGB"))), path
+
+
+def test_every_kind_of_dataset_row_is_read_by_the_reproduction(tmp_path, monkeypatch):
+    """reproduce_tools' layout takes each kind of row of sce.layouts.DATASETS (an official download, one with
+    train/ and val/ folders, a folders row without a download: imagenet100's kind), and its recipe comes from
+    RECIPES.md, the numbers' one copy; a row without a line there is one line."""
+    tools = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
+        "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduction", "reproduce_tools.py")))
+    tools.__spec__.loader.exec_module(tools)
+    monkeypatch.setitem(tools.PAPER["sce"][1], "imagenet100", 0.0)  # as if the table had a folders dataset
+    folders = write_imagefolder(tmp_path / "in100", num_classes=2, per_class=1)
+    assert tools.layout("imagenet100", folders)[:2] == ("imagenet100", folders)
+    with pytest.raises(UserError, match="has no train/ and val/ class folders"):
+        tools.layout("imagenet100", str(tmp_path))
+    with pytest.raises(UserError, match="RECIPES.md has no line for imagenet100"):
+        tools.recipe_flags("imagenet100")  # its ablation lines run on 8 GPUs with $IN100, not this table's
+    assert tools.layout("tiny-imagenet", write_tiny_imagenet(str(tmp_path / "tiny")))[0] == "tiny-imagenet"
+    assert "--tau 0.1 --tau-m 0.04" in " ".join(tools.recipe_flags("stl10"))
