@@ -25,7 +25,7 @@ from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch,
 from sce.optim import build_optimizer
 from sce.preemption import Interrupted, Preemption
 from sce.resume import check_ranks_agree, resume
-from sce.step import Schedules, Training, build_step
+from sce.step import OnlineProbe, Schedules, Training, build_step
 
 # `python main_pretrain.py` with no --data: the embedded demo (digits placed at random in 16 px canvases, under 3
 # minutes on 2 cores). Tuned for them: milder crops and the less blurry strong-beta view (Table 2's blur sigmas
@@ -50,7 +50,7 @@ g.add_argument("--augment", choices=["cpu", "gpu"],
                help="where the photometric augmentations run: in the loader workers (cpu, with PIL), or batched on "
                     "the training device (gpu; the workers only decode and crop) (default: gpu on CUDA, else cpu)")
 g.add_argument("--crop-size", type=int,
-               help="size of the global views in pixels (default: --dataset's native size, e.g. 32 for CIFAR, else 224)")
+               help="size of the global views in pixels (default: --dataset's native size, 32 for CIFAR; else 224)")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(data.AUGMENTATIONS),
                help=f"Table 2 row of online view 1 (default: the method's: {cli.per_method(lambda m: m.views[0])})")
@@ -93,7 +93,8 @@ g.add_argument("--split-bn", default="momentum", choices=["momentum", "all"],
 g = parser.add_argument_group("objective")
 g.add_argument("--method", default="sce", choices=list(losses.METHODS),
                help="; ".join(f"{name}: {m.about}" for name, m in losses.METHODS.items()))
-g.add_argument("--tau", type=float, help=f"online temperature (default: the method's: {cli.per_method(lambda m: m.tau)})")
+g.add_argument("--tau", type=float,
+               help=f"online temperature (default: the method's: {cli.per_method(lambda m: m.tau)})")
 g.add_argument("--tau-m", type=float,
                help=f"target temperature (default: the method's: {cli.per_method(lambda m: m.tau_m)})")
 g.add_argument("--queue-size", type=int,
@@ -144,6 +145,10 @@ g.add_argument("--knn-data", metavar="DIR",
                     "root), read as main_lincls.py --knn reads it, for the same number; every image must be readable "
                     "(--max-bad-images is for --data): an unreadable one stops the run, naming it")
 g.add_argument("--knn-every", type=int, default=1, metavar="EPOCHS", help="every N epochs, and after the last (0: off)")
+g.add_argument("--online-probe", action=argparse.BooleanOptionalAction, default=True,
+               help="a linear head on the trunk's detached features, trained with Adam at every step beside the method "
+                    "(which it never touches): its top-1 in the progress lines and log.txt (sce.step.OnlineProbe)")
+g.add_argument("--online-probe-lr", type=float, default=1e-3, help="the online probe's Adam lr (the authors': 1e-4)")
 g.add_argument("--knn-max-train", type=int, metavar="N",
                help="its bank: a seeded subset of N train images, for quick monitoring (default: all)")
 cli.add_knn_args(g)
@@ -247,7 +252,9 @@ def pretrain(args, rank, world_size, device, bn_splits):
     optimizer = build_optimizer(args.optimizer, model, schedules.base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    resumed = resume_run(args, model, optimizer, scaler, rank, data_id, monitor)
+    targets = getattr(dataset, "targets", None)
+    probe = OnlineProbe.of(model, targets, device, args.online_probe_lr) if args.online_probe else None
+    resumed = resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe)
     if resumed is None:  # complete
         return
     start_epoch, start_step, epoch_sums, tensorboard = resumed
@@ -262,7 +269,8 @@ def pretrain(args, rank, world_size, device, bn_splits):
         tensorboard.add_image("views", np.asarray(grid), first_step, dataformats="HWC")
     split.mark("resume and TensorBoard")
     ddp_model = du.wrap_ddp(model, device) if world_size > 1 else model
-    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args))
+    training = Training(model, ddp_model, optimizer, scaler, cli.AMP[args.amp], terms=losses.logged_terms(args),
+                        probe=probe)
     step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, compiles)
     if rank == 0:
         described = (f"CUDA graph after {GRAPH_WARMUP} steps" if args.cuda_graph else "compiled" if args.compile
@@ -275,9 +283,10 @@ def pretrain(args, rank, world_size, device, bn_splits):
               steps_per_epoch=sampler.steps, device=device, tensorboard=tensorboard,
               preemption=Preemption(world_size, args.dist_timeout), first_step=first_step,
               checkpoints=Writer(split.stopwatch("epoch_ends")), compiles=compiles, monitor=monitor, data=data_id)
-    top1 = train(run, sampler, split, start_epoch, start_step, epoch_sums)
+    last = train(run, sampler, split, start_epoch, start_step, epoch_sums)
     if args.demo and rank == 0:
-        print(f"kNN top-1: {top1:.1f}% (untrained: {untrained:.1f}%)", flush=True)
+        online = f"; online probe top-1: {last[2]:.1f}%" if len(last) > 2 else ""
+        print(f"kNN top-1: {last[0]:.1f}% (untrained: {untrained:.1f}%){online}", flush=True)
 
 
 def load_data(args, rank, world_size, device, budget, compiles):
@@ -294,18 +303,18 @@ def load_data(args, rank, world_size, device, budget, compiles):
                                              preview=bool(args.preview_views))
 
 
-def resume_run(args, model, optimizer, scaler, rank, data_id, monitor):
+def resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe):
     """(start epoch, start step, the epoch's sums, TensorBoard's writer on rank 0) of this invocation, from the
     checkpoint in --output-dir if any (sce.resume), its last epoch's line of log.txt completed if a failure left it
     out; None when the run is complete already."""
-    start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id)
+    start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id, probe)
     # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
     unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
     tensorboard = cli.summary_writer(args.output_dir) if rank == 0 and (unlogged or start_epoch < args.epochs) else None
     if unlogged:
         if rank == 0:
             print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
-        knn = monitor(model) if monitor and knn_due(args, start_epoch) else None
+        knn = monitor(model, probe and probe.head) if monitor and knn_due(args, start_epoch) else None
         log_epoch(args, start_epoch, last_stats, knn, tensorboard)
     if start_epoch < args.epochs:
         return start_epoch, start_step, epoch_sums, tensorboard
@@ -320,7 +329,7 @@ def resume_run(args, model, optimizer, scaler, rank, data_id, monitor):
 def train(run, sampler, split, start_epoch, start_step, epoch_sums):
     """The epochs from (start_epoch, start_step) to --epochs, or to a stop: each epoch's steps, then its end; the
     one way out through sce.epoch.finish (exit 75 after a stop request); the time split written however it ends.
-    Returns the demo's kNN top-1 after it (else None)."""
+    Returns the demo's kNN after it (else None)."""
     args, nonfinite, result, done = run.args, torch.zeros((), device=run.device), None, start_epoch
     split.loop()
     try:
@@ -337,7 +346,8 @@ def train(run, sampler, split, start_epoch, start_step, epoch_sums):
                 break
         split.done()
         finish(run, result, done)  # exits 75 after a stop request, the run not complete
-        return run.monitor(run.training.model)[0] if args.demo else None  # the demo's last kNN, in the split
+        probe = run.training.probe
+        return run.monitor(run.training.model, probe and probe.head) if args.demo else None  # the demo's, in the split
     except BaseException as e:
         if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
             run.checkpoints.wait(quiet=True)

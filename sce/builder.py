@@ -195,7 +195,9 @@ class MomentumModel(nn.Module):
         self.queue_ptr.add_(keys.shape[0]).remainder_(size)
 
     def online(self, x):
-        return F.normalize(at_least_fp32(self.predictor(self.projector(self.encoder(x)))), dim=1)
+        """(the l2-normalised query, the trunk's pooled features: what the online probe reads, detached)."""
+        h = self.encoder(x)
+        return F.normalize(at_least_fp32(self.predictor(self.projector(h))), dim=1), h
 
     @torch.no_grad()
     def target(self, x):
@@ -211,7 +213,8 @@ class MomentumModel(nn.Module):
 
     def shuffle_order(self, n, device):
         """The momentum branch's order of a global batch of n (shuffle-BN): rand + argsort, a permutation drawn on the
-        device, which a CUDA graph captures (sce.cuda_graph). benchmarks/fidelity/step_equality.py sets the authors' here."""
+        device, which a CUDA graph captures (sce.cuda_graph). benchmarks/fidelity/step_equality.py sets the
+        authors' here."""
         return torch.rand(n, device=device).argsort()
 
     def _momentum(self, x):
@@ -226,7 +229,8 @@ class MomentumModel(nn.Module):
         pairs = self.pairs(len(views))
         targets = sorted({t for t, _ in pairs})
         keys = {t: self.target(views[t]) for t in targets}
-        queries = {v: self.online(views[v]) for v in sorted({v for _, v in pairs})}
+        online = {v: self.online(views[v]) for v in sorted({v for _, v in pairs})}
+        queries = {v: q for v, (q, _) in online.items()}
         # every term of the step uses the queue from before this step's keys
         queue = self.queue.clone().detach() if self.queue is not None else None
         # the criterion in fp32 whatever --amp: bf16's 8-bit mantissa puts ~0.01 of error on a cosine, ~0.1 on it
@@ -239,7 +243,7 @@ class MomentumModel(nn.Module):
         if queue is not None:
             self.enqueue(torch.cat([keys[t] for t in targets]))
         t, v = pairs[0]
-        return loss, (queries[v].detach(), keys[t], queue)
+        return loss, (queries[v].detach(), keys[t], queue, online[v][1].detach())  # h: the first query's features
 
 
 def build_model(args, criterion, bn_splits=1, sync_bn=False):

@@ -99,7 +99,10 @@ def one_step(run, step, views, tally):
     s = run.schedules
     set_lr(run.training.optimizer, s.lr_at(step))
     run.lam.set(s.lambda_at(step))
-    tally.add(*run.step(views, s.momentum_at(step)))
+    if run.training.probe is None:
+        tally.add(*run.step(views, s.momentum_at(step)))
+    else:  # the images' labels too (sce.data's Batch)
+        tally.add(*run.step(views, s.momentum_at(step), views.labels))
 
 
 def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
@@ -165,13 +168,15 @@ def log_progress(run, step, stats, seconds_per_step, terms):
     if run.device.type == "cuda":
         stats["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
         memory = f" mem {stats['peak_memory_gib']:.1f}G"
+    probe = f" online {stats['online_train_top1']:.1f}%" if "online_train_top1" in stats else ""
     print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{run.steps_per_epoch}] loss {stats['loss']:.4f} "
-          f"lr {stats['lr']:.4g} m {stats['momentum']:.5f} {stats['images_per_s']:.1f} img/s "
+          f"lr {stats['lr']:.4g} m {stats['momentum']:.5f}{probe} {stats['images_per_s']:.1f} img/s "
           f"data {100 * stats['data_wait_share']:.0f}%{memory} skipped {stats['skipped_steps']} "
           f"eta {format_eta(eta)}", flush=True)
     if run.tensorboard:
         for name, value in stats.items():
-            run.tensorboard.add_scalar(f"terms/{name}" if name in terms else f"train/{name}", value, step)
+            group = "online" if name.startswith("online_") else "terms" if name in terms else "train"
+            run.tensorboard.add_scalar(f"{group}/{name.removeprefix('online_')}", value, step)
 
 
 # ---------------------------------------------------------------- the end of an epoch
@@ -183,12 +188,13 @@ def end_epoch(run, done, stats, split):
     rerun. Then the estimate, when due (estimate_due), and the time split so far (`split`'s line of timing.txt)."""
     args, t = run.args, run.training
     if du.is_main():
-        run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, epoch=done, step_in_epoch=0,
+        run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, probe=t.probe, epoch=done, step_in_epoch=0,
                                        global_step=done * run.steps_per_epoch, data=run.data, epoch_stats=stats),
                              args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
                              keep=args.keep_checkpoints)
     first = done - 1 == run.first_step // run.steps_per_epoch
-    knn = run.monitor(t.model) if run.monitor and knn_due(args, done, first) else None
+    head = t.probe.head if t.probe else None  # the online probe's top-1 on the kNN's val features
+    knn = run.monitor(t.model, head) if run.monitor and knn_due(args, done, first) else None
     log_epoch(args, done, stats, knn, tensorboard=run.tensorboard, checkpoints=run.checkpoints)
     if du.is_main():
         if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs):
@@ -212,15 +218,18 @@ def knn_due(args, done, first=False):
 
 def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
     """Epoch `done`'s line of log.txt (one JSON line per epoch, as DINO's): its statistics and the kNN monitor's
-    (top-1, top-5) `knn` if it ran; written by rank 0 once what `checkpoints` (a Writer) has in hand is on disk."""
+    (top-1, top-5, and the online probe's top-1 on the same val features, when there is one) `knn` if it ran;
+    written by rank 0 once what `checkpoints` (a Writer) has in hand is on disk."""
     log = dict(epoch=done, **stats)
     if knn:
-        log["knn_top1"], log["knn_top5"] = knn
+        log.update(zip(("knn_top1", "knn_top5", "online_top1"), knn))
         if du.is_main():
-            print(f"=> epoch {done}: kNN top-1 {knn[0]:.2f} top-5 {knn[1]:.2f}", flush=True)
+            online = f"; online probe top-1 {knn[2]:.2f}" if len(knn) > 2 else ""
+            print(f"=> epoch {done}: kNN top-1 {knn[0]:.2f} top-5 {knn[1]:.2f}{online}", flush=True)
         if tensorboard:
-            tensorboard.add_scalar("knn/top1", knn[0], done)
-            tensorboard.add_scalar("knn/top5", knn[1], done)
+            for name, tag in (("knn_top1", "knn/top1"), ("knn_top5", "knn/top5"), ("online_top1", "online/val_top1")):
+                if name in log:
+                    tensorboard.add_scalar(tag, log[name], done)
     if du.is_main():
         def write():  # the file anew: a kill or a full disk never leaves half a line
             path = os.path.join(args.output_dir, "log.txt")
@@ -237,8 +246,9 @@ def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
 def estimate(run, done, stats, split):
     """After the first whole epoch of this invocation (`stats` its line): what it measured, the stage's time at those
     rates (its remaining epochs, their ends and kNN runs), printed and written to OUTPUT_DIR/estimate.json
-    (benchmarks/reproduction/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The rest of an
-    epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an epoch."""
+    (benchmarks/reproduction/reproduce.sh adds the linear probe at the trunk's forward rate the kNN measured). The
+    rest of an epoch resumed within is not enough: a few steps and the warm-up of a CUDA graph would read as an
+    epoch."""
     args, (parts, wall), earlier = run.args, split.report(), split.earlier_wall(run.args.output_dir)
     epoch_s = run.steps_per_epoch * args.batch_size / max(stats["images_per_s"], 1e-9)
     knn_s = parts["knn"]  # one run so far (after the invocation's first epoch; its compile included)
@@ -273,7 +283,7 @@ def finish(run, result, done):
     args, t, main_rank = run.args, run.training, du.is_main()
     if result.stopped_at is not None:
         def save():
-            run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, epoch=done,
+            run.checkpoints.save(run_state(t.model, t.optimizer, t.scaler, args, probe=t.probe, epoch=done,
                                            step_in_epoch=result.stopped_at,
                                            global_step=done * run.steps_per_epoch + result.stopped_at, data=run.data,
                                            epoch_sums=result.sums), args.output_dir)

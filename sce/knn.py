@@ -98,10 +98,11 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
 
 
 def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0,
-                 pad=False, forward=None):
-    """(top-1, top-5) of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
+                 pad=False, forward=None, head=None):
+    """[top-1, top-5] of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
     measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each. pad: every batch of
-    both splits padded to one size (extract_features), for a compiled trunk; forward: extract_features'."""
+    both splits padded to one size (extract_features), for a compiled trunk; forward: extract_features'. head: a
+    linear head on the trunk's features (the online probe's), whose top-1 on the same val features follows."""
     if max_train and max_train < len(train_set):
         train_set = train_set.subset(torch.randperm(len(train_set),
                                                     generator=torch.Generator().manual_seed(seed))[:max_train])
@@ -111,9 +112,13 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_si
     pad_to = min(batch_size, max(len(train_set), len(val_set))) if pad else None
     bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad_to=pad_to,
                                          forward=forward)
-    queries, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size),
-                                                                name="val features", pad_to=pad_to, forward=forward))
-    return topk_accuracy(knn_scores(bank, bank_labels, queries, num_classes, k, t), labels)
+    features, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size), normalize=False,
+                                                                 name="val features", pad_to=pad_to, forward=forward))
+    result = topk_accuracy(knn_scores(bank, bank_labels, F.normalize(features, dim=1), num_classes, k, t), labels)
+    if head is not None:
+        with torch.no_grad(), torch.autocast(features.device.type, enabled=False):
+            result += topk_accuracy(head(features), labels, ks=(1,))
+    return result
 
 
 class Monitor:
@@ -134,16 +139,17 @@ class Monitor:
         self.fallback = Fallback("the kNN monitor's encoder", lambda encoder, x: encoder(x),
                                  lambda encoder, x: encoder._call_impl(x)) if compiled else None
 
-    def __call__(self, model):
-        return self.stopwatch.timed(self._run, model)
+    def __call__(self, model, head=None):
+        """[kNN top-1, top-5] (then the online probe's top-1 with `head`: its linear head)."""
+        return self.stopwatch.timed(self._run, model, head)
 
-    def _run(self, model):
+    def _run(self, model, head):
         logged, before = self.compiles.total(), len(self.compiles.seconds)
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)
         forward = functools.partial(self.fallback, model.encoder) if self.fallback else None
         result = knn_accuracy(model.encoder, *self.sets, self.k, self.t, max_train=self.max_train, seed=self.seed,
-                              pad=self.compiled, forward=forward)
+                              pad=self.compiled, forward=forward, head=head)
         if len(self.compiles.seconds) > before and du.is_main():  # the encoder in eval mode
             print(f"=> the kNN monitor compiled the encoder: {self.compiles.summary(before)}", flush=True)
         train = min(len(self.sets[0]), self.max_train or len(self.sets[0]))

@@ -51,16 +51,18 @@ def check_ranks_agree(args):
 
 
 def run_state(model, optimizer, scaler, args, *, epoch, step_in_epoch, global_step, data=None, epoch_stats=None,
-              epoch_sums=None):
+              epoch_sums=None, probe=None):
     """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position
     (and `data`, the dataset's num_images and data_id (sce.data.fingerprint), which a mid-epoch position
     depends on);
     epoch_stats: the log.txt line of the epoch just ended, written again by a rerun that lacks it;
-    epoch_sums: mid-epoch, the sums of the steps done (sce.epoch.Epoch.sums), which its line will average."""
+    epoch_sums: mid-epoch, the sums of the steps done (sce.epoch.Epoch.sums), which its line will average;
+    probe: the online probe (sce.step.OnlineProbe), its head and optimizer."""
     return {"kind": "pretrain", "epoch": epoch, "step": global_step, "step_in_epoch": step_in_epoch,
             **(data or {}), "epoch_stats": epoch_stats, "epoch_sums": epoch_sums, "args": vars(args),
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+            "online_probe": probe.state_dict() if probe else None,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
@@ -102,10 +104,11 @@ def check_mid_epoch(path, ckpt, args, data):
                         "data it ran on, or from an epoch-end checkpoint")
 
 
-def resume(args, model, optimizer, scaler, rank, data=None):
+def resume(args, model, optimizer, scaler, rank, data=None, probe=None):
     """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
     the checkpoint's epoch_stats and epoch_sums (None without a checkpoint). An --epochs below the checkpoint's
-    is refused. data: the dataset's num_images, data_id and data_order (check_mid_epoch)."""
+    is refused. data: the dataset's num_images, data_id and data_order (check_mid_epoch); probe: the online probe,
+    restored where the checkpoint holds one (else it starts afresh, said)."""
     path = find_resume(args)
     if not path:
         return 0, 0, None, None
@@ -129,6 +132,10 @@ def resume(args, model, optimizer, scaler, rank, data=None):
     load_optimizer_state(optimizer, ckpt["optimizer"])
     if scaler and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
+    if probe and ckpt.get("online_probe"):
+        probe.load_state_dict(ckpt["online_probe"])
+    elif probe and rank == 0:
+        print(f"=> {path} holds no online probe: it starts afresh", flush=True)
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     epoch, step = ckpt["epoch"], ckpt["step_in_epoch"]

@@ -17,7 +17,9 @@ import dataclasses
 import functools
 
 import torch
+import torch.nn.functional as F
 
+from sce import distributed as du
 from sce.builder import momentum_at
 from sce.compiling import CompiledStep, Log
 from sce.cuda_graph import Graphed, lr_as_tensors
@@ -36,6 +38,7 @@ class Training:
     guard: bool = True  # False only to measure what the non-finite guard costs (benchmarks)
     terms: object = None  # f(q, k, queue) -> {name: value}, the method's logged terms (sce.losses), or None
     autocast_cache: bool = True  # autocast's cache of cast weights; off for a CUDA graph (build_step)
+    probe: object = None  # the online linear probe (OnlineProbe), or None
 
     def __post_init__(self):
         if self.bn_stats is None:
@@ -43,14 +46,59 @@ class Training:
                              if name.endswith(("running_mean", "running_var"))]
 
 
-def train_step(t, views, momentum):
+class OnlineProbe:
+    """A linear head on the online trunk's pooled features of the first query view, detached, trained at every step
+    with its own optimizer (Adam, as the authors' online evaluator; its gradients averaged over the ranks): a
+    running top-1 of the training batches beside the method, which it never touches (its loss has no path to the
+    trunk, its step no part in the method's guard). Its top-1 on the validation split is the kNN monitor's
+    (sce.knn: the same features). Labels below 0 (images without one) count for nothing."""
+
+    def __init__(self, feat_dim, num_classes, device, lr=1e-3):
+        with torch.random.fork_rng(devices=[]):  # its own draws: the run's random numbers stay the method's
+            torch.manual_seed(0)
+            self.head = torch.nn.Linear(feat_dim, num_classes).to(device)
+        self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr, fused=True)
+
+    @classmethod
+    def of(cls, model, targets, device, lr):
+        """The probe of a MomentumModel on a dataset's labels, or None where they hold fewer than 2 classes."""
+        classes = int(max(targets)) + 1 if targets is not None and len(targets) else 0
+        return cls(model.projector[0].in_features, classes, device, lr) if classes >= 2 else None
+
+    def state_dict(self):
+        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def step(self, features, labels):
+        """One step of the head on (features, labels); returns its top-1 (%) on them, a device scalar."""
+        labeled = labels >= 0
+        with torch.autocast(features.device.type, enabled=False):
+            logits = self.head(features.float())
+            losses = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        count = labeled.sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        (torch.where(labeled, losses, 0.0).sum() / count).backward()
+        grads = [p.grad for p in self.head.parameters()]
+        if du.world_size() > 1:  # one head on every rank: the batch's gradient
+            flat = du.all_reduce_sum(torch.cat([g.flatten() for g in grads])) / du.world_size()
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        step_unless_nonfinite(self.optimizer, grads_finite(self.optimizer))
+        hits = (logits.detach().argmax(dim=1) == labels) & labeled
+        return 100 * hits.sum() / count
+
+
+def train_step(t, views, momentum, labels=None):
     """One optimizer step on device views: the forward of both branches and the loss (t.ddp_model, the
     MomentumModel's forward), the backward, the optimizer's step, the EMA; returns (loss, finite, terms), device
     tensors (terms: t.terms of the first (target, query) pair, computed here so that the benchmark times them).
     A step whose gradients are not finite leaves the weights and the optimizer as they were, decided on the device
     without a host sync: the fused SGD (or LARS) update is skipped through its `found_inf` input, the EMA uses
     momentum 1, and the BN running statistics, which the forward moved, are put back (their num_batches_tracked
-    counters are not). The queue keeps the step's keys when they are finite, as in MoCo."""
+    counters are not). The queue keeps the step's keys when they are finite, as in MoCo. With t.probe and the
+    images' labels, the online probe's step follows (its top-1 among the terms, as online_train_top1)."""
     device = views[0].device
     autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None,
                               cache_enabled=t.autocast_cache)
@@ -74,7 +122,9 @@ def train_step(t, views, momentum):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    terms = t.terms(*outputs) if t.terms else None  # in fp32, as the loss is
+    terms = t.terms(*outputs[:3]) if t.terms else None  # in fp32, as the loss is
+    if t.probe is not None and labels is not None:
+        terms = dict(terms or {}, online_train_top1=t.probe.step(outputs[3], labels))
     return loss.detach(), finite, terms
 
 

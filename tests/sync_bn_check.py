@@ -37,8 +37,8 @@ def check(rank, world):
     model.eval()
     plain.eval()
     with torch.no_grad():
-        _, (q, k, _) = model([v.chunk(world)[rank] for v in batch])
-        assert torch.allclose(q, plain.online(batch[1].chunk(world)[rank]), atol=1e-5)
+        _, (q, k, *_) = model([v.chunk(world)[rank] for v in batch])
+        assert torch.allclose(q, plain.online(batch[1].chunk(world)[rank])[0], atol=1e-5)
         assert torch.allclose(k, plain._momentum(batch[0].chunk(world)[rank]), atol=1e-5)
         assert torch.allclose(model.queue[:8], plain._momentum(batch[0]), atol=1e-5)  # every rank's keys, in order
         queues = du.all_gather(model.queue[None])

@@ -181,7 +181,7 @@ if where in ("training", "preempted"):
         return fail
     main_pretrain.losses.criterion = build
 elif where == "knn":
-    main_pretrain.knn.Monitor.__call__ = lambda self, model: fail()
+    main_pretrain.knn.Monitor.__call__ = lambda self, model, head=None: fail()
 elif where == "checkpoint":
     torch.save = fail
 cli.run(main_pretrain.main)

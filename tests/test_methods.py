@@ -87,3 +87,25 @@ def build_model_queue(kwargs, size):
     from sce.builder import MomentumModel
     model = MomentumModel(lambda q, k, queue: F.mse_loss(q, k), queue_size=size, **kwargs)
     return model.queue
+
+
+def test_the_online_probe_learns_from_labelled_images_only_and_reads_its_top1():
+    """OnlineProbe.step: a cross-entropy step of its head alone (the features are given detached), images labelled
+    -1 count for nothing, and it returns the top-1 (%) of the logits it stepped from; with no label at all it
+    stays finite and a fresh head unchanged. Its head starts from its own seed: the run's random draws stay the same."""
+    from sce.step import OnlineProbe
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    probe = OnlineProbe(8, 3, "cpu", lr=0.1)
+    assert torch.equal(torch.get_rng_state(), state)
+    features = torch.randn(6, 8)
+    labels = torch.tensor([0, 1, 2, -1, -1, 1])
+    logits = probe.head(features).detach()
+    expected = 100 * ((logits.argmax(1) == labels) & (labels >= 0)).sum() / 4
+    before = [p.clone() for p in probe.head.parameters()]
+    assert probe.step(features, labels) == pytest.approx(expected.item())
+    assert all(not torch.equal(a, b) for a, b in zip(before, probe.head.parameters()))
+    fresh = OnlineProbe(8, 3, "cpu", lr=0.1)  # (Adam's momentum would carry on a probe that stepped before)
+    before = [p.clone() for p in fresh.head.parameters()]
+    assert fresh.step(features, torch.full((6,), -1)) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.head.parameters()))

@@ -127,6 +127,7 @@ def test_a_knn_lost_after_the_last_checkpoint_is_completed_by_the_rerun(data, tm
     assert "=> epoch 1: kNN top-1" in out and "already complete" in out
     lines = [json.loads(line) for line in open(tmp_path / "log.txt")]
     assert [e["epoch"] for e in lines] == [1] and 0 <= lines[0]["knn_top1"] <= 100 and lines[0]["skipped_steps"] == 0
+    assert 0 <= lines[0]["online_top1"] <= 100 and 0 <= lines[0]["online_train_top1"] <= 100  # the online probe
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -16,7 +16,7 @@ from sce.timing import PARTS
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two run folders: a real tiny run (2 epochs, the kNN monitor at each; ~2 s), and a copy of it made longer, with
-    the online probe's keys a later change adds (validation top-1 at the kNN epochs, running train top-1 each)."""
+    the online probe's keys set by hand (validation top-1 at every tenth epoch, running train top-1 at each)."""
     root = tmp_path_factory.mktemp("plot")
     data = write_imagefolder(root / "data", num_classes=2, per_class=8, size=20, splits=("",))
     knn = write_imagefolder(root / "knn", num_classes=2, per_class=4, size=20)
@@ -25,7 +25,7 @@ def runs(tmp_path_factory):
     real = [json.loads(line) for line in open(root / "real" / "log.txt")]
     longer = []
     for epoch in range(1, 31):
-        row = {k: v for k, v in real[-1].items() if not k.startswith("knn_")}
+        row = {k: v for k, v in real[-1].items() if not k.startswith(("knn_", "online_top1"))}
         row.update(epoch=epoch, loss=8 - epoch / 10, online_train_top1=2 * epoch)
         if epoch % 10 == 0:
             row.update(knn_top1=40 + epoch, knn_top5=90.0, online_top1=30 + epoch)
@@ -41,7 +41,9 @@ def test_curves_read_from_runs(runs, tmp_path):
     curves = plot.curves(plot.read_log(real))
     assert list(curves) == ["loss", "terms", "accuracy", "schedule"]
     assert list(curves["terms"]) == ["infonce", "ressl", "ceil"]  # SCE logs eq. 10's three terms
-    assert list(curves["accuracy"]) == ["knn_top1"] and curves["accuracy"]["knn_top1"][0] == [1, 2]
+    # a real run's kNN and its online probe's (the running top-1 every epoch, the val top-1 where the kNN ran)
+    assert list(curves["accuracy"]) == ["knn_top1", "online_top1", "online_train_top1"]
+    assert curves["accuracy"]["knn_top1"][0] == curves["accuracy"]["online_top1"][0] == [1, 2]
     assert list(curves["schedule"]) == ["lr", "momentum"] and curves["loss"]["loss"][0] == [1, 2]
     accuracy = plot.curves(plot.read_log(longer))["accuracy"]
     assert accuracy["knn_top1"] == ([10, 20, 30], [50, 60, 70]) and accuracy["online_top1"][0] == [10, 20, 30]

@@ -106,7 +106,7 @@ def test_demo_trains_and_prints_knn_line(tmp_path, monkeypatch, capsys):
     main_pretrain.main(["--epochs", "1", "--crop-size", "8", "--batch-size", "128", "--workers", "0",
                         "--knn-max-train", "200", "--knn-k", "20", "--output-dir", str(tmp_path / "demo")])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(r"kNN top-1: \d+\.\d% \(untrained: \d+\.\d%\)", last), last
+    assert re.fullmatch(r"kNN top-1: \d+\.\d% \(untrained: \d+\.\d%\); online probe top-1: \d+\.\d%", last), last
     assert_trained(tmp_path / "demo")
     # its one kNN after training (none at the epochs' ends: --knn-every 0) is the split's kNN part, not its exit
     timed = json.loads(open(tmp_path / "demo" / "timing.txt").read())

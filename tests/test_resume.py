@@ -54,16 +54,28 @@ def test_resume_equals_uninterrupted_run(small, tmp_path, capsys):
     a, b = load(tmp_path / "a" / "checkpoint_last.pth"), load(tmp_path / "b" / "checkpoint_last.pth")
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 4
     assert_same_state(a["model"], b["model"])
+    # the online probe resumes exactly: its head and its optimizer's state
+    assert_same_state(a["online_probe"]["head"], b["online_probe"]["head"])
+    adam = [{k: v for k, v in s.items()} for s in (a["online_probe"]["optimizer"]["state"].values())]
+    adam_b = list(b["online_probe"]["optimizer"]["state"].values())
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(adam, adam_b) for k in x) and len(adam) == 2
+    # ... and never touches the method: without it, the same weights to the bit
+    pretrain(small, tmp_path / "c", "--epochs", 2, *lam, "--no-online-probe")
+    c = load(tmp_path / "c" / "checkpoint_last.pth")
+    assert_same_state(a["model"], c["model"])
+    assert c["online_probe"] is None and "online_train_top1" not in open(tmp_path / "c" / "log.txt").read()
     assert_trained(tmp_path / "a")
     assert int(a["model"]["queue_ptr"]) == 0  # 4 steps x 8 keys wrap a 32-key queue
     assert os.path.exists(tmp_path / "a" / "checkpoint_0002.pth")  # last epoch always numbered
     # progress line and TensorBoard scalars
-    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ \d+\.\d img/s data \d+% skipped 0 eta \d+:\d\d:\d\d", first)
+    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ online \d+\.\d% \d+\.\d img/s data \d+% skipped 0 eta \d+:\d\d:\d\d",
+                     first)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tmp_path / "a")).Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/momentum", "train/images_per_s", "train/data_wait_share",
-            "train/lambda", "train/skipped_steps", "terms/infonce", "terms/ressl", "terms/ceil"} <= tags
+            "train/lambda", "train/skipped_steps", "terms/infonce", "terms/ressl", "terms/ceil",
+            "online/train_top1"} <= tags
     lambdas = [e.value for e in events.Scalars("train/lambda")]  # steps 0-3: warmup 0.1, 0.5, then cosine to 0.9
     assert lambdas == pytest.approx([0.1, 0.3, 0.5, 0.9])
     assert "views" in events.Tags()["images"]  # the augmented views, at the start of the run
@@ -73,7 +85,8 @@ def test_resume_equals_uninterrupted_run(small, tmp_path, capsys):
         epochs = [json.loads(line) for line in open(tmp_path / run / "log.txt")]
         assert [e["epoch"] for e in epochs] == [1, 2]
         assert {"loss", "infonce", "ressl", "ceil", "lr", "momentum", "lambda", "images_per_s",
-                "skipped_steps"} <= epochs[0].keys()
+                "skipped_steps", "online_train_top1"} <= epochs[0].keys()
+        assert all(0 <= e["online_train_top1"] <= 100 for e in epochs)
     assert open(tmp_path / "a" / "log.txt").read().count("loss") == 2
 
 

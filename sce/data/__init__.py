@@ -23,7 +23,7 @@ from sce.data.jpeg import available as jpeg_on_device
 from sce.data.ops import MEAN, MIN_BLUR_SIZE, STD  # noqa: F401
 from sce.data.preloading import Budget, preload  # noqa: F401
 from sce.data.preview import view_labels, views_grid, write_preview  # noqa: F401
-from sce.data.pretrain import READ, choose_route, from_flags, pretrain_batches  # noqa: F401
+from sce.data.pretrain import READ, Batch, choose_route, from_flags, pretrain_batches  # noqa: F401
 from sce.data.samplers import ORDER_VERSION, ResumableSampler, ShuffledShards  # noqa: F401
 from sce.data.views import AUGMENTATIONS, ViewSpec  # noqa: F401
 

@@ -8,7 +8,7 @@
     PreloadRoute  the images were decoded once onto the device (sce.data.preloading): everything happens there
 
 Every route yields the same batch to the step: the list of views, each (N, 3, size, size) normalised in the
-run's dtype and memory format on the device. Every route draws a view's parameters with sce.data.views.draw
+run's dtype and memory format on the device (a Batch: with the images' labels beside, for the online probe). Every route draws a view's parameters with sce.data.views.draw
 from (seed, epoch, index, view), the seed the sampler's, so the routes give the same crops, flips and
 photometric parameters, and the tensor routes the same pixels within a level (the workers crop uint8 images in
 uint8, the device crops decoded ones in float; the PIL resize of --augment cpu differs by a level or two). An
@@ -31,6 +31,21 @@ from sce.data.views import Photometric, draw, draw_views, pil_view, view_specs
 from sce.preemption import ignore_stop_signals
 
 READ = {"cpu": "pil", "gpu": "tensor", "decode": "encoded"}  # how each loader route's workers read the files
+
+
+class Batch(list):
+    """A step's views (the list every consumer takes) with the images' labels beside (`labels`, (N,) long on the
+    device; -1 for an image without one, or for every image of a dataset without labels)."""
+
+    def __init__(self, views, labels):
+        super().__init__(views)
+        self.labels = labels
+
+
+def labels_of(dataset, device):
+    """The dataset's labels as a tensor on the device (-1 where there are none)."""
+    targets = getattr(dataset, "targets", None)
+    return torch.as_tensor(targets if targets is not None else [-1] * len(dataset), dtype=torch.long).to(device)
 
 
 def choose_route(augment, decode, preload_mode, device):
@@ -204,8 +219,10 @@ class PreloadRoute:
     def __init__(self, images, sampler, views):
         self.preloaded, self.sampler, self.views = images, sampler, views
         self.images = images.images
+        labels = images.targets.long() if images.targets is not None else torch.full(
+            (len(self.images),), -1, device=self.images.device)
         self.epochs = Preloaded(self.images, sampler.batch // sampler.world, self.tables,
-                                lambda index, rows: views.preloaded(self.images[index], rows))
+                                lambda index, rows: Batch(views.preloaded(self.images[index], rows), labels[index]))
 
     def describe(self):
         return f"preloaded on {self.views.device} ({self.images.nbytes / 2 ** 20:.0f} MiB); views there"
@@ -240,6 +257,7 @@ class LoaderRoute:
     def __init__(self, samples, sampler, views, workers=0, max_bad=0):
         self.samples, self.sampler, self.views, self.device = samples, sampler, views, views.device
         self.dataset, self.max_bad, self.bad_seen, self.wait_s = samples.dataset, max_bad, {}, 0.0
+        self.labels = labels_of(samples.dataset, "cpu")  # indexed by a batch's indices, then copied with it
         # a private generator for the loader's per-epoch seed draw: from the global RNG it would shift
         # shuffle-BN's permutations after a mid-epoch resume (the epoch's iterator is made twice)
         self.loader = torch.utils.data.DataLoader(
@@ -261,7 +279,7 @@ class LoaderRoute:
                 copied = stream.record_event()
                 ahead = self._fetch(batches, stream)  # the next batch's copy overlaps this step
                 torch.cuda.current_stream(self.device).wait_event(copied)
-            yield self.views_from(batch)
+            yield Batch(self.views_from(batch), self.labels[batch[1]].to(self.device, non_blocking=True))
             if not stream:
                 ahead = self._fetch(batches, None)
 
