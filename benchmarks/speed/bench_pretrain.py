@@ -39,7 +39,8 @@ from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import CompiledStep, compile_model, compile_module  # noqa: E402
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
-from sce.step import Schedules, Training, build_step  # noqa: E402
+from sce.data import Batch  # noqa: E402
+from sce.step import OnlineProbe, Schedules, Training, build_step  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR",
@@ -95,6 +96,9 @@ parser.add_argument("--warmup", type=int, default=3,
 parser.add_argument("--skip-train", action="store_true", help="measure the data loader only")
 parser.add_argument("--skip-data", action="store_true", help="measure the training step only")
 parser.add_argument("--profile", action="store_true", help="print the top kernels of the device-side augmentation")
+parser.add_argument("--online-probe", action="store_true",
+                    help="also the step with main_pretrain.py's online probe (its default), side by side: the probe's "
+                         "cost")
 # what a recipe sets here: the model's shape and its BN
 RECIPE_KEYS = ("arch", "small_input", "crop_size", "batch_size", "queue_size", "symmetric", "shuffle_bn", "bn_splits",
                "split_bn", "proj_hidden_dims", "proj_dim", "proj_last_bn")
@@ -156,7 +160,7 @@ def make_batches(dataset, augment, batches, workers=None, compile=None):
                                  compiles=COMPILES)
 
 
-def build_training():
+def build_training(online_probe=False):
     """(Training, step function) as main_pretrain.py builds them (sce.builder.build_model, sce.losses.criterion and
     the optimizer of main_pretrain.py's defaults: SCE at its temperatures and lambda, --lr scaled by the batch, its
     warmup and cosine, the EMA's schedule), with this benchmark's model and step flags: step(views, _) runs
@@ -176,7 +180,8 @@ def build_training():
     if args.compile:
         compile_model(model, COMPILES, blocks=args.compile_blocks)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    training = Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags))  # as there
+    probe = OnlineProbe(model.projector[0].in_features, 10, device) if online_probe else None
+    training = Training(model, model, optimizer, scaler, amp_dtype, terms=losses.logged_terms(flags), probe=probe)
     step = build_step(training, args.compile, CudaGraphs(device) if args.cuda_graph else None, COMPILES)
     return training, Scheduled(epoch.Run(args=flags, training=training, step=step, schedules=schedules, lam=lam,
                                          batches=None, steps_per_epoch=100, device=device, tensorboard=None,
@@ -335,6 +340,12 @@ def bench_train_step(training, step):
     if not args.compile and not args.cuda_graph:  # (a compiled model or a graph would not take the small shape)
         fields["host_step_ms"] = round(1000 * host_step_s(step, training), 2)
     fields.update(criterion_ms(training, step_s))
+    if args.online_probe:  # the same step with the probe, built alike: its share of the step
+        _, with_probe = build_training(online_probe=True)
+        labeled = Batch(views, torch.randint(10, (args.batch_size,), device=device))
+        probe_s = time_steps(with_probe, labeled)
+        fields.update(step_ms_with_online_probe=round(1000 * probe_s, 2),
+                      online_probe_share=round((probe_s - step_s) / step_s, 4))
     report(**fields)
     return args.batch_size / step_s
 
@@ -485,6 +496,7 @@ def table():
                   f"loss {r['criterion_ms']} ms "
                   f"({100 * r['criterion_share']:.1f}%)"
                   f"{', guard ' + format(100 * r['guard_share'], '.2f') + '%' if 'guard_share' in r else ''}"
+                  f"{online_probe(r)}"
                   f"{', peak ' + str(r['peak_mem_gib']) + ' GiB' if 'peak_mem_gib' in r else ''}"
                   f"{', host ' + str(r['host_step_ms']) + ' ms/step' if 'host_step_ms' in r else ''}{ratios(r)} |")
         elif r["what"] == "device_pipeline":
@@ -495,6 +507,10 @@ def table():
             print(f"| end_to_end | {r['augment']} | {r['images_per_s']} | workers {r['workers']}, "
                   f"data wait {100 * r['data_wait_share']:.1f}%, "
                   f"{100 * (r['of_compute_only'] or 0):.1f}% of compute-only{ratios(r)}{syncs} |")
+
+
+def online_probe(r):
+    return f", online probe {100 * r['online_probe_share']:.2f}%" if "online_probe_share" in r else ""
 
 
 def ratios(r):
