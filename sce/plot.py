@@ -126,7 +126,7 @@ def save(fig, out_png):
 
 def plot_runs(run_dirs, out_png, labels=None, paper=None, title=None):
     """One figure of the runs' curves (read_log, curves) into out_png; `paper`: a reference line on the accuracy
-    panel. Returns the panels drawn."""
+    panel (a number), or one a run in its colour (a list, None where a run has none). Returns the panels drawn."""
     names = run_labels(run_dirs, labels)
     check_output(out_png)
     runs = [curves(read_log(d)) for d in run_dirs]
@@ -141,9 +141,12 @@ def plot_runs(run_dirs, out_png, labels=None, paper=None, title=None):
     for ax, panel in zip(axes.flat, panels):
         draw_panel(ax, panel, runs)
         if panel == "accuracy" and paper is not None:
-            ax.axhline(paper, color="gray", linewidth=1, linestyle="--")
-            ax.annotate(f"paper {paper:g}", (0, paper), xycoords=("axes fraction", "data"), xytext=(2, 2),
-                        textcoords="offset points", va="bottom", fontsize=8, color="gray")
+            lines = [(paper, "gray")] if not isinstance(paper, (list, tuple)) else [
+                (value, f"C{i % 10}") for i, value in enumerate(paper) if value is not None]
+            for value, color in lines:
+                ax.axhline(value, color=color, linewidth=1, linestyle="--")
+                ax.annotate(f"paper {value:g}", (0, value), xycoords=("axes fraction", "data"), xytext=(2, 2),
+                            textcoords="offset points", va="bottom", fontsize=8, color=color)
     handles = [plt.Line2D([], [], color=f"C{i % 10}") for i in range(len(names))]
     fig.legend(handles, names, loc="upper right", fontsize=8, ncol=min(len(names), 4))
     if title:

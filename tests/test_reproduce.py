@@ -224,6 +224,9 @@ def test_smoke_run_stopped_and_continued(tmp_path):
     table = open(tmp_path / "term" / "results.md").read()
     assert f"| SCE | {row['linear_top1']:.2f} / {row['linear_best_top1']:.2f} | {row['knn_top1']:.2f} | 89.94 |" \
         in table and "| ReSSL | " in table
+    for png in ("curves.png", "time_split.png"):  # the table's figures, beside it
+        assert open(tmp_path / "term" / png, "rb").read(8) == b"\x89PNG\r\n\x1a\n", png
+        assert f"term/{png}" in again.stdout
     # each stage's wall time split (sce.timing): the parts add up to its processes' wall time, which is the stage's
     # as the script measured it from outside (two invocations of the pretraining: the stopped one's split too)
     measured = {}

@@ -2,7 +2,9 @@
 # The small-and-medium part of the paper's baselines table (Sec. 4.2): SCE, ReSSL and MoCo v2 (the last two the
 # authors' reproductions) on CIFAR-10, CIFAR-100, STL-10 or Tiny-ImageNet, each with RECIPES.md's setting for the
 # dataset: 200 epochs of pretraining (the kNN monitor every 20 epochs and after the last: the table's kNN), then
-# the linear probe (100 epochs, lr 30, x0.1 at 60 and 80); one table beside the paper's numbers, and results.json.
+# the linear probe (100 epochs, lr 30, x0.1 at 60 and 80); one table beside the paper's numbers, results.json, and
+# two figures: curves.png (each method's kNN and online probe per epoch against its paper number, its loss and
+# schedules) and time_split.png (each stage's wall time by part).
 #
 #   bash benchmarks/reproduction/reproduce.sh DATASET DATA_DIR [OUT_DIR]    DATASET: cifar10, cifar100, stl10 or tiny-imagenet
 #                                                               (OUT_DIR: runs/reproduce/DATASET)
@@ -162,3 +164,4 @@ for method in $METHODS; do
 done
 stop_if_asked
 [ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduction/reproduce_tools.py table "$DATASET" "$OUT" $METHODS 9>&-
+[ "${DRY_RUN:-0}" = 1 ] || $PYTHON benchmarks/reproduction/reproduce_tools.py figure "$DATASET" "$OUT" $METHODS 9>&-

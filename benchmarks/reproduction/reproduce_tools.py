@@ -17,6 +17,7 @@
                                           estimated time
     table DATASET OUT_DIR METHOD...       the results beside the paper's: OUT_DIR/results.md and results.json, with
                                           every method finished in OUT_DIR (METHODS of this run or of an earlier one)
+    figure DATASET OUT_DIR METHOD...      OUT_DIR/curves.png and time_split.png of the methods run in OUT_DIR
 """
 import json
 import os
@@ -372,6 +373,24 @@ def methods(given=None):
     print(" ".join(chosen))
 
 
+def figure(dataset, out, methods):
+    """OUT/curves.png (each finished method's kNN and online probe per epoch against its paper number, its loss and
+    schedules: sce.plot) and OUT/time_split.png (each stage's wall time by part), or a line saying why not."""
+    done = [m for m in PAPER if os.path.isfile(os.path.join(out, m, "log.txt"))]
+    try:
+        from sce import plot
+        plot.plot_runs([os.path.join(out, m) for m in done], os.path.join(out, "curves.png"),
+                       labels=[PAPER[m][0] for m in done], paper=[PAPER[m][1].get(dataset) for m in done],
+                       title=f"{dataset}: the reproduction beside the paper's linear top-1")
+        rows = [dict(stage=f"{PAPER[m][0]} {stage}", **split) for m in done
+                for stage, folder in (("pretrain", os.path.join(out, m)), ("linear", os.path.join(out, m, "linear")))
+                for split in [stage_split(folder)] if split]
+        plot.plot_time_split(rows, os.path.join(out, "time_split.png"), title=f"{dataset}: each stage's wall time")
+        print(f"=> figures: {os.path.join(out, 'curves.png')}, {os.path.join(out, 'time_split.png')}")
+    except UserError as e:  # no matplotlib, no run to draw: the table above stands alone
+        print(f"=> no figure: {e}")
+
+
 def main(argv):
     command, rest = argv[0], argv[1:]
     if command == "methods":
@@ -385,6 +404,8 @@ def main(argv):
     elif command == "show":
         log, pid, start, out, env_file, method, linear_flags, *run_methods = rest
         show(log, pid, start, out, env_file=env_file, method=method, linear_flags=linear_flags, methods=run_methods)
+    elif command == "figure":
+        figure(rest[0], rest[1], rest[2:])
     else:
         table(rest[0], rest[1], rest[2:])
 
