@@ -57,7 +57,9 @@ class OnlineProbe:
         with torch.random.fork_rng(devices=[]):  # its own draws: the run's random numbers stay the method's
             torch.manual_seed(0)
             self.head = torch.nn.Linear(feat_dim, num_classes).to(device)
-        self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr, fused=True)
+        # capturable: its step inside the step's CUDA graph (its step count kept on the GPU)
+        self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr, fused=True,
+                                          capturable=torch.device(device).type == "cuda")
 
     @classmethod
     def of(cls, model, targets, device, lr):

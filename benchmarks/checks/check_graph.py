@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The CUDA-graph steps give the eager steps' numbers (for benchmarks/gpu/check.sh): two copies of RECIPES.md's
 CIFAR-10 model (its line, read by reproduce_tools.py: ResNet-18 small-input, the paper's BN split in 2, batch 256,
-queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.step.build_step's CUDA graph (captured after its eager steps);
-losses, the logged terms of eq. 10 and the final weights must agree. The lr, the EMA momentum and lambda change
-at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
+queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.step.build_step's CUDA
+graph (captured after its eager steps), with the online probe (main_pretrain.py's default) and its labels; losses,
+the logged terms of eq. 10, the probe's top-1 and the final weights (its head's too) must agree. The lr, the EMA
+momentum and lambda change at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
 kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
 Shuffle-BN's order is one fixed permutation in both runs (MomentumModel.shuffle_order): the graph would draw its
 own from CUDA's generator in another order.
@@ -30,7 +31,7 @@ from sce import losses  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import Log, compile_module  # noqa: E402
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, lr_as_tensors  # noqa: E402
-from sce.step import Training, build_step, train_step  # noqa: E402
+from sce.step import OnlineProbe, Training, build_step, train_step  # noqa: E402
 from sce.frozen import Frozen  # noqa: E402
 from sce.optim import build_optimizer, cosine_lr, set_lr  # noqa: E402
 from sce.probe import Head, Probe, Step, make_head  # noqa: E402
@@ -57,11 +58,14 @@ def training(lam):
     model.shuffle_order = lambda n, dev: ORDER
     optimizer = build_optimizer("sgd", model, RECIPE.lr, RECIPE.weight_decay)
     lr_as_tensors(optimizer, device)  # in both runs: the same lr arithmetic
-    return Training(model, model, optimizer, terms=losses.logged_terms(RECIPE))
+    probe = OnlineProbe(model.projector[0].in_features, 10, device)  # main_pretrain.py's default, in the step
+    return Training(model, model, optimizer, terms=losses.logged_terms(RECIPE), probe=probe)
 
 
 views = [[torch.randn(RECIPE.batch_size, 3, 32, 32, generator=torch.Generator().manual_seed(10 * s + v)).to(device)
           for v in range(2)] for s in range(args.steps)]
+labels = [torch.randint(-1, 10, (RECIPE.batch_size,), generator=torch.Generator().manual_seed(s)).to(device)
+          for s in range(args.steps)]  # some -1: images without a label
 runs = {}
 for name in ("eager", "graph"):
     lam = torch.tensor(0.5, device=device)  # filled in place each step, as main_pretrain.py's schedule does
@@ -71,10 +75,11 @@ for name in ("eager", "graph"):
     for s in range(args.steps):
         set_lr(t.optimizer, cosine_lr(s, args.steps, RECIPE.lr, 2))
         lam.fill_(0.5 + 0.05 * s)
-        loss, finite, terms = step(views[s], 0.99 + 0.001 * s)
+        loss, finite, terms = step(views[s], 0.99 + 0.001 * s, labels[s])
         # a graph's outputs are overwritten by its next replay: read them now
-        out.append([float(loss)] + [float(terms[k]) for k in ("infonce", "ressl", "ceil")])
-    runs[name] = (out, {k: v.clone() for k, v in t.model.state_dict().items()})
+        out.append([float(loss)] + [float(terms[k]) for k in ("infonce", "ressl", "ceil", "online_train_top1")])
+    runs[name] = (out, {**{k: v.clone() for k, v in t.model.state_dict().items()},
+                        **{f"online_probe.{k}": v.clone() for k, v in t.probe.head.state_dict().items()}})
     if name == "graph" and not step.graphed:
         sys.exit("error: the step was not captured as a CUDA graph (see the warning above)")
 (eager, eager_state), (graph, graph_state) = runs["eager"], runs["graph"]
