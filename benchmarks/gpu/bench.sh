@@ -4,8 +4,9 @@
 # docs/benchmarks.md says what each means). Exit 1 naming a run that failed, 2 when the budget left one out.
 #   bash benchmarks/gpu/bench.sh [LOG_DIR]        (default LOG_DIR: runs/gpu_bench)
 # 1. cifar_graph / cifar_no_graph: RECIPES.md's CIFAR-10 setting (--recipe cifar10: ResNet-18 small-input, batch
-#    256, the paper's BN split in 2; bf16, channels_last, compiled), the step as a CUDA graph and without one, end to end from preloaded images,
-#    beside the supervised and ideal-asymmetric references (data/cifar10 when present, else random images).
+#    256, the paper's BN split in 2; bf16, channels_last, compiled), the step as a CUDA graph and without one, end
+#    to end from preloaded images, beside the supervised and ideal-asymmetric references (data/cifar10 when
+#    present, else random images); cifar_graph also with the online probe (its share of the step).
 # 2. imagenet: ResNet-50 at 224 px, the defaults (compiled): the loader pipelines cpu / gpu / decode, also with
 #    4 workers; lincls: main_lincls.py's training and feature extraction against a no-grad forward
 #    (bench_lincls.py).
@@ -28,7 +29,7 @@ SMALL="--recipe cifar10 --amp bf16 --channels-last --compile --preload --skip-da
        $([ -d "$CIFAR/train" ] && echo "--data $CIFAR/train")"
 R50="--arch resnet50 --batch-size 256 --crop-size 224 --amp bf16 --channels-last --workers $(( $(nproc) - 1 ))"
 # shellcheck disable=SC2086
-check cifar_graph 200 "$PYTHON" benchmarks/speed/bench_pretrain.py $SMALL --cuda-graph --profile
+check cifar_graph 200 "$PYTHON" benchmarks/speed/bench_pretrain.py $SMALL --cuda-graph --profile --online-probe
 # shellcheck disable=SC2086
 check cifar_no_graph 120 "$PYTHON" benchmarks/speed/bench_pretrain.py $SMALL
 # shellcheck disable=SC2086
