@@ -254,3 +254,13 @@ def test_proxies_refuse_limits_and_qualities_that_cannot_run_before_anything_run
     proc = proxies("--data", data, "--out", tmp_path / "out", "--dry-run", *flags)
     assert proc.returncode == 1 and proc.stderr.startswith(f"error: {said}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "=== " not in proc.stdout
+
+
+def test_proxies_refuse_a_foreign_reencoded_folder(tmp_path):
+    """OUT/data-qN that reencode.py did not make (or made from other data) is not trained on as if it were the
+    re-encoded copy: one line before the variant runs."""
+    data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=2, size=16)
+    foreign = write_imagefolder(tmp_path / "out" / "data-q50", num_classes=2, per_class=1, size=16)
+    proc = proxies("--data", data, "--out", tmp_path / "out", "--smoke", "--variants", "jpeg-q50")
+    assert proc.returncode == 1 and "is no copy made by reencode.py" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "jpeg-q50").exists() and os.listdir(foreign)

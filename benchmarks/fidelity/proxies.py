@@ -110,12 +110,14 @@ def merged(argv, extra):
 
 
 def reencoded(name, root, out):
-    """OUT/data-qN for a jpeg-qN variant: the data re-encoded at quality N, made once."""
+    """OUT/data-qN for a jpeg-qN variant: the data re-encoded at quality N, made once (reencode reads a copy it
+    finished, and refuses a folder it did not make or made from other data)."""
     match = JPEG.match(name)
-    if match and not os.path.isdir(os.path.join(out, f"data-q{match.group(1)}")):
+    if match:
         said = reencode(root, os.path.join(out, f"data-q{match.group(1)}"), int(match.group(1)),
                         len(os.sched_getaffinity(0)))
-        print(json.dumps(dict(what="reencode", quality=int(match.group(1)), **said)), flush=True)
+        if not said.get("existed"):
+            print(json.dumps(dict(what="reencode", quality=int(match.group(1)), **said)), flush=True)
 
 
 def result(name, out, epochs):
