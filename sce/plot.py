@@ -168,6 +168,7 @@ def draw_panel(ax, panel, runs):
                     marker="o" if len(epochs) <= 20 else None, markersize=3, linewidth=1.2)
     ax.set_title(PANELS[panel], fontsize=10)
     ax.set_xlabel("epoch", fontsize=8)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # epochs: no 1.25
     ax.tick_params(labelsize=8)
     if panel == "terms" and all(v > 0 for run in runs for _, vs in run.get(panel, {}).values() for v in vs):
         ax.set_yscale("log")  # Ceil's term is a hundredth of the others'
