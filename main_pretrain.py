@@ -24,17 +24,18 @@ from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs
 from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch
 from sce.optim import build_optimizer
 from sce.preemption import Interrupted, Preemption
-from sce.resume import check_ranks_agree, resume
+from sce.resume import check_ranks_agree, keep_started_sizes, resume
 from sce.step import OnlineProbe, Schedules, Training, build_step
 
 # `python main_pretrain.py` with no --data: the embedded demo (digits placed at random in 16 px canvases, under 3
 # minutes on 2 cores). Tuned for them: milder crops and the less blurry strong-beta view (Table 2's blur sigmas
 # are meant for 224 px), small batches for more steps, one loader process (16 px images cost it little).
-DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_size=32, queue_size=1024,
+DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_size=32,
             lr=0.25, weight_decay=5e-4, warmup_epochs=1, ema_momentum=0.99, ema_schedule="constant",
             proj_hidden_dims=[512], proj_dim=128, proj_last_bn="none", workers=1, min_scale=0.5,
             online_aug="strong-beta",
             output_dir=os.path.join("runs", "demo"), knn_every=0)
+DEMO_QUEUE = 1024  # the demo's queue, for a method with one
 
 
 parser = cli.make_parser(__doc__)
@@ -175,7 +176,7 @@ def parse_args(argv=None):
                            target_aug=method.views[1], proj_hidden_dims=list(method.projector[0]),
                            proj_dim=method.projector[1], proj_last_bn=method.projector[2],
                            pred_hidden_dims=list(method.predictor), symmetric=method.symmetric,
-                           queue_size=cli.QUEUE_SIZE if method.queue else 0).items():
+                           queue_size=(DEMO_QUEUE if args.demo else cli.QUEUE_SIZE) if method.queue else 0).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.dataset_note = cli.dataset_defaults(args)
@@ -201,6 +202,7 @@ def resolve_device_defaults(args, device, world_size):
 
 def main(argv=None):
     args = parse_args(argv)
+    keep_started_sizes(args)
     rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
     resolve_device_defaults(args, device, world_size)
     bn_splits = check_args(args, world_size, device)
@@ -314,7 +316,8 @@ def resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe):
     if unlogged:
         if rank == 0:
             print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
-        knn = monitor(model, probe and probe.head) if monitor and knn_due(args, start_epoch) else None
+        head = probe.head if probe and probe.restored else None  # a fresh head is no score of that run
+        knn = monitor(model, head) if monitor and knn_due(args, start_epoch) else None
         log_epoch(args, start_epoch, last_stats, knn, tensorboard)
     if start_epoch < args.epochs:
         return start_epoch, start_step, epoch_sums, tensorboard

@@ -171,6 +171,7 @@ def dataset_defaults(args):
     wanted = {"crop_size": native or 224, "small_input": bool(native and native <= 96)}
     shown = {"crop_size": lambda v: f"--crop-size {v}", "small_input": lambda v: f"--{'' if v else 'no-'}small-input"}
     given = [shown[k](getattr(args, k)) for k, v in wanted.items() if getattr(args, k) not in (None, v)]
+    args.dataset_filled = [key for key in wanted if getattr(args, key) is None]  # a resume keeps its own (resume)
     for key, value in wanted.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -226,7 +227,8 @@ def check_pretrain(args, world_size, device, min_crop):
                   "--proj-hidden-dims": min(args.proj_hidden_dims, default=1), "--knn-t": args.knn_t,
                   "--pred-hidden-dims": min(args.pred_hidden_dims, default=1), "--dist-timeout": args.dist_timeout,
                   "--bn-splits": args.bn_splits, "--knn-max-train": args.knn_max_train,
-                  "--queue-size": args.queue_size if losses.METHODS[args.method].queue else None},
+                  "--queue-size": args.queue_size if losses.METHODS[args.method].queue else None,
+                  "--online-probe-lr": args.online_probe_lr},
                  {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
                   "--warmup-epochs": args.warmup_epochs, "--keep-checkpoints": args.keep_checkpoints,
                   "--stop-after-epochs": args.stop_after_epochs, "--lambda-warmup-steps": args.lambda_warmup_steps,

@@ -80,8 +80,12 @@ class Tally:
         self.epoch += values
 
     def resumed_sums(self):
-        """The resumed epoch's sums in the order of `names` (an old checkpoint's list is in that order already)."""
-        return self.resumed.get("list") or [self.resumed[name] for name in self.names]
+        """The resumed epoch's sums in the order of `names`, 0 for a name it lacks (a run resumed with the online
+        probe that stopped without it); an old checkpoint's list holds steps, loss and the method's terms."""
+        resumed = self.resumed
+        if "list" in resumed:
+            resumed = dict(zip(self.names, resumed["list"]))
+        return [resumed.get(name, 0.0) for name in self.names]
 
     def read(self, sums):
         """{name: value} of `sums` (the window or the epoch): one copy to the host."""

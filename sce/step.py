@@ -54,9 +54,10 @@ class OnlineProbe:
     (sce.knn: the same features). Labels below 0 (images without one) count for nothing."""
 
     def __init__(self, feat_dim, num_classes, device, lr=1e-3):
-        with torch.random.fork_rng(devices=[]):  # its own draws: the run's random numbers stay the method's
-            torch.manual_seed(0)
+        with torch.random.fork_rng(devices=[]):  # its own draws (the CPU's generator, put back; no GPU's touched)
+            torch.random.default_generator.manual_seed(0)
             self.head = torch.nn.Linear(feat_dim, num_classes).to(device)
+        self.restored = False  # from a checkpoint (sce.resume)
         # capturable: its step inside the step's CUDA graph (its step count kept on the GPU)
         self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr, fused=True,
                                           capturable=torch.device(device).type == "cuda")
@@ -71,8 +72,13 @@ class OnlineProbe:
         return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state):
+        """The saved head and Adam's state; its lr and capturable stay this run's (--online-probe-lr, the device)."""
+        settings = [(g["lr"], g["capturable"]) for g in self.optimizer.param_groups]
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, (lr, capturable) in zip(self.optimizer.param_groups, settings):
+            group["lr"], group["capturable"] = lr, capturable
+        self.restored = True
 
     def step(self, features, labels):
         """One step of the head on (features, labels); returns its top-1 (%) on them, a device scalar."""

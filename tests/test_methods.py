@@ -109,3 +109,38 @@ def test_the_online_probe_learns_from_labelled_images_only_and_reads_its_top1():
     before = [p.clone() for p in fresh.head.parameters()]
     assert fresh.step(features, torch.full((6,), -1)) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.head.parameters()))
+
+
+def test_the_probe_keeps_the_runs_random_numbers_and_its_own_settings_on_resume(monkeypatch):
+    """Its head's draws touch no GPU generator (shuffle-BN's there) and put the CPU's back; a resumed probe keeps
+    this run's lr; a mid-epoch checkpoint written without it (an old list, or a dict) resumes with it."""
+    from sce.epoch import Tally
+    from sce.step import OnlineProbe
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: pytest.fail("a GPU generator was seeded"))
+    saved = OnlineProbe(8, 3, "cpu", lr=0.1)
+    saved.step(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+    probe = OnlineProbe(8, 3, "cpu", lr=0.02)
+    probe.load_state_dict(saved.state_dict())
+    assert probe.restored and probe.optimizer.param_groups[0]["lr"] == 0.02
+    assert torch.equal(probe.head.weight, saved.head.weight)
+    one = torch.ones(())
+    for sums in ([2.0, 14.0, 6.0, 2.0], {"steps": 2.0, "loss": 14.0, "a": 6.0, "finite_losses": 2.0}):
+        tally = Tally("cpu", torch.zeros(()), sums)
+        tally.add(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one, "online_train_top1": 50 * one})
+        assert tally.read(tally.epoch) == {"steps": 3.0, "loss": 21.0, "a": 9.0, "online_train_top1": 50.0}
+
+
+def test_a_resumed_run_keeps_the_sizes_it_started_with(tmp_path):
+    """--crop-size / --small-input taken from --dataset's row give way, on a resume, to what args.json says the run
+    started with (an earlier version took 224 and no small stem for any dataset); a flag given still wins."""
+    (tmp_path / "checkpoint_last.pth").write_bytes(b"")
+    (tmp_path / "args.json").write_text('{"crop_size": 224, "small_input": false}')
+    flags = ["--data", "d", "--dataset", "cifar10", "--output-dir", str(tmp_path)]
+    args = main_pretrain.parse_args(flags)
+    main_pretrain.keep_started_sizes(args)
+    assert (args.crop_size, args.small_input) == (224, False) and "started with" in args.dataset_note
+    args = main_pretrain.parse_args(flags + ["--crop-size", "40"])
+    main_pretrain.keep_started_sizes(args)
+    assert (args.crop_size, args.small_input) == (40, False)
+    with pytest.raises(cli.UserError, match="--online-probe-lr must be positive"):
+        main_pretrain.check_args(main_pretrain.parse_args(["--data", "d", "--online-probe-lr", "0"]))
