@@ -172,13 +172,13 @@ def test_calibration_runs_airbenchs_files_unchanged_on_the_cpu_in_fp32(tmp_path)
     write_jpegs(tmp_path / "data" / "val", CIFAR10, 1)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "calibrate_jpeg.py"), "--data",
                            tmp_path / "data", "--out", tmp_path / "out", "--airbench", sdist, "--device", "cpu",
-                           "--runs", "2", "--workers", "1"], capture_output=True, text=True, timeout=120,
+                           "--runs", "2", "--first-run", "3", "--workers", "1"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     epochs = [(r["run"], r["epoch"], r["steps"]) for r in lines if "epoch" in r]
-    assert epochs == [(0, 0, 3), (0, 1, 1), (1, 0, 3), (1, 1, 1)]  # 10 images in batches of 4
-    assert [r["run"] for r in lines if "tta_test_acc" in r] == [0, 1]
+    assert epochs == [(3, 0, 3), (3, 1, 1), (4, 0, 3), (4, 1, 1)]  # 10 images in batches of 4; runs 3 and 4
+    assert [r["run"] for r in lines if "tta_test_acc" in r] == [3, 4]
     summary = lines[-1]
     assert summary["runs"] == 2 and summary["published"] == 94.01 and summary["precision"] == "fp32"
     assert summary["difference"] == round(summary["mean"] - 94.01, 3) and "x" in summary["device"]

@@ -150,13 +150,14 @@ def train_loader(airbench, bench, run, device):
                   gpu=device)
 
 
-def train_runs(airbench, bench, runs, device):
-    """Train `bench` `runs` times; a JSON line each; returns the accuracies (%)."""
+def train_runs(airbench, bench, runs, device, first=0):
+    """Train `bench` `runs` times, run r seeded r (from `first`: runs split over processes); a JSON line each;
+    returns the accuracies (%)."""
     lib = getattr(airbench, f"lib_{bench}")
     train = getattr(airbench, f"train{bench[-2:]}")
     test = airbench.CifarLoader("cifar10", train=False, batch_size=2000, gpu=device)  # as airbench's evaluation
     accs = []
-    for run in range(runs):
+    for run in range(first, first + runs):
         torch.manual_seed(run)
         start = time.time()
         model = train(train_loader=train_loader(airbench, bench, run, device), verbose=False)
@@ -186,6 +187,9 @@ def main(argv=None):
                         help="airbench's source distribution (default: .whl/airbench-0.1.8.tar.gz)")
     parser.add_argument("--bench", default="airbench94", choices=list(PUBLISHED))
     parser.add_argument("--runs", type=int, default=10, help="trainings (default: 10)")
+    parser.add_argument("--first-run", type=int, default=0, metavar="R",
+                        help="the first run's number, its seed (default: 0): runs split over processes (one a core on "
+                             "a CPU) take R = 0, 1, ...")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda: airbench as published (fp16); cpu: the same files in fp32, about an hour a run "
                              "on 2 cores (default: cuda where there is one)")
@@ -206,7 +210,7 @@ def main(argv=None):
     if args.device == "cpu":
         run_on_cpu(airbench)
     os.chdir(out)  # airbench reads cifar10/*.pt under the working directory
-    accs = train_runs(airbench, args.bench, args.runs, 0 if args.device == "cuda" else "cpu")
+    accs = train_runs(airbench, args.bench, args.runs, 0 if args.device == "cuda" else "cpu", args.first_run)
     mean = statistics.mean(accs)
     print(json.dumps(dict(bench=args.bench, runs=len(accs), mean=round(mean, 3),
                           std=round(statistics.stdev(accs), 3) if len(accs) > 1 else None, min=round(min(accs), 2),
