@@ -51,8 +51,8 @@ def test_bad_input_is_one_line(tmp_path):
     assert "unknown run 'theirs'" in error(authors, data, 2, ORDER="ours theirs")
     assert "holds no .whl files" in error(authors, data, 2, AUTHORS_WHEELS=str(tmp_path))
     assert "usage:" in run(authors).stderr and run(authors).returncode == 2
-    launcher = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "authors_reference.py"), "pretrain",
-                               str(tmp_path), data, str(tmp_path / "run")], capture_output=True, text=True)
+    launcher = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "authors_reference.py"),
+                               "pretrain", str(tmp_path), data, str(tmp_path / "run")], capture_output=True, text=True)
     assert launcher.returncode == 2 and launcher.stderr.startswith("error: ") and "not a checkout" in launcher.stderr
 
 

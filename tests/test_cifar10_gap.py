@@ -1,4 +1,4 @@
-"""The benchmarks that measure the CIFAR-10 gap (benchmarks/fidelity/reencode.py, calibrate_jpeg.py, proxies.py), on small
+"""The benchmarks that measure the CIFAR-10 gap (benchmarks/fidelity/: reencode.py, calibrate_jpeg.py, proxies.py), on
 files written here: the re-encoded copy's tree, sampling and quality; airbench's data pair from an ImageFolder;
 the proxies runner's SMOKE mode, its results read back and its time limit."""
 import importlib.util
@@ -172,7 +172,8 @@ def test_calibration_runs_airbenchs_files_unchanged_on_the_cpu_in_fp32(tmp_path)
     write_jpegs(tmp_path / "data" / "val", CIFAR10, 1)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "fidelity", "calibrate_jpeg.py"), "--data",
                            tmp_path / "data", "--out", tmp_path / "out", "--airbench", sdist, "--device", "cpu",
-                           "--runs", "2", "--first-run", "3", "--workers", "1"], capture_output=True, text=True, timeout=120,
+                           "--runs", "2", "--first-run", "3", "--workers", "1"], capture_output=True, text=True,
+                          timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -96,7 +96,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def run_reencode(args, until=None):
     """benchmarks/fidelity/reencode.py ARGS with each image opened slowly; SIGTERM once a worker opens one (`until`)."""
-    proc = subprocess.Popen([sys.executable, "-c", SLOW, os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")] + args,
+    script = os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW, script] + args,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     workers = []
     for line in proc.stdout if until else ():
