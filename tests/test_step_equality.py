@@ -12,19 +12,20 @@ from conftest import REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "fidelity"))
 import step_equality as se  # noqa: E402
 
-SMALL = [{"512": "32", "128": "16", "4096": "64"}.get(f, f) for f in se.OURS_FLAGS]  # a small head and queue
+# a small head and queue, BN split in 2 (a batch of 8 in chunks of 4)
+SMALL = [{"512": "32", "128": "16", "4096": "64", "8": "2"}.get(f, f) for f in se.OURS_FLAGS]
 
 
 def test_our_step_against_its_own_record_is_equal_and_a_perturbed_weight_shows():
-    _, training = se.our_training(SMALL, batch=16)
-    feed = se.inputs(2, 16, size=16)
-    reference = se.record_ours(training, feed)
-    same = se.compare(reference, se.our_steps(training, reference, feed, splits=8))
+    _, training = se.our_training(SMALL, batch=8)
+    feed = se.inputs(2, 8, size=16)
+    reference = se.record_ours(training, feed, splits=2)
+    same = se.compare(reference, se.our_steps(training, reference, feed, splits=2))
     assert all(d["all"] == 0 for d in same.values()), same
     perturbed = copy.deepcopy(reference)
     for name in ("encoder.layer1.0.conv1.weight", "momentum_encoder.layer1.0.conv1.weight"):  # both branches
         perturbed["steps"][1]["before"]["state"][name][0, 0, 0, 0] += 1e-2
-    moved = se.compare(reference, se.our_steps(training, perturbed, feed, splits=8))
+    moved = se.compare(reference, se.our_steps(training, perturbed, feed, splits=2))
     assert all(d["first"] == 0 for d in moved.values()), moved  # step 1 starts from the record's state
     for group in ("loss", "gradients", "weights (SGD's change)", "EMA (its change)", "queue (its change)",
                   "BN statistics (their change)", "SGD buffers"):
@@ -32,7 +33,7 @@ def test_our_step_against_its_own_record_is_equal_and_a_perturbed_weight_shows()
 
 
 def test_their_names_and_layouts_map_onto_ours():
-    _, training = se.our_training(SMALL, batch=16)
+    _, training = se.our_training(SMALL, batch=8)
     ours = training.model.state_dict()
     back = {v: k for k, v in se.PREFIXES.items()}
     theirs = {}
