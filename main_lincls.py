@@ -13,7 +13,7 @@ import os
 import numpy as np
 import torch
 
-from sce import UserError, cli, data, outdir, timing, transfer
+from sce import UserError, cli, data, entry, events, outdir, timing, transfer
 from sce import distributed as du
 from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs, require
 from sce.compiling import Log, resolve_compile
@@ -175,9 +175,9 @@ def evaluate(args, source, device):
 
 def splits(args, device, augment_train):
     """(train, val, number of classes), sce.data.EvalSplits as the evaluations read them."""
-    return data.eval_splits(args.dataset, args.data, args.crop_size, args.small_input, device, preload_mode=args.preload,
-                            decode=args.decode, workers=args.workers, augment_train=augment_train, seed=args.seed,
-                            budget=data.Budget(device))
+    return data.eval_splits(args.dataset, args.data, args.crop_size, args.small_input, device,
+                            preload_mode=args.preload, decode=args.decode, workers=args.workers,
+                            augment_train=augment_train, seed=args.seed, budget=data.Budget(device))
 
 
 def write_results(args, results, name=None):
@@ -209,7 +209,7 @@ def linear(args, frozen, source, device, split):
     if args.evaluate:
         return evaluate_head(args, probe, model, val, source, device)
     start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device, train_data)
-    tensorboard = cli.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
+    tensorboard = events.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
     run = Run(args=args, probe=probe, model=model, train=train.batches(probe.per_rank, sampler),
               val=val.batches(probe.per_rank), device=device, preemption=Preemption(world, args.dist_timeout),
               tensorboard=tensorboard, checkpoints=Writer(split.stopwatch("epoch_ends")),
@@ -396,4 +396,4 @@ def run_logreg(args, frozen, source, device):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    entry.run(main)

@@ -26,7 +26,7 @@ import os
 import numpy as np
 import torch
 
-from sce import UserError, cli, data, outdir, transfer
+from sce import UserError, cli, data, entry, outdir, transfer
 from sce.compiling import resolve_compile
 from sce.frozen import load_frozen, split_features
 
@@ -210,4 +210,4 @@ def report(args, results, all_fits, arch):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    entry.run(main)

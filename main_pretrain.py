@@ -16,7 +16,7 @@ import random
 import numpy as np
 import torch
 
-from sce import UserError, cli, compiling, cuda_graph, data, knn, losses, outdir, timing
+from sce import UserError, cli, compiling, cuda_graph, data, entry, events, knn, losses, outdir, timing
 from sce import distributed as du
 from sce.builder import ARCHS, build_model, build_trunk
 from sce.checkpoint import Writer
@@ -312,7 +312,8 @@ def resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe):
     start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id, probe)
     # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
     unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
-    tensorboard = cli.summary_writer(args.output_dir) if rank == 0 and (unlogged or start_epoch < args.epochs) else None
+    writes = rank == 0 and (unlogged or start_epoch < args.epochs)
+    tensorboard = events.summary_writer(args.output_dir) if writes else None
     if unlogged:
         if rank == 0:
             print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
@@ -376,4 +377,4 @@ def knn_monitor(args, device, budget, split, batches, data_id):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    entry.run(main)

@@ -19,7 +19,7 @@ def stopped_during_startup(name):
 
 def stop_while_importing(script):
     """A script's first call (`script`: run as one, not imported), before its imports, torch's of seconds among them:
-    until sce.cli.run takes the stop signals over, one ends the process at once with its line and
+    until sce.entry.run takes the stop signals over, one ends the process at once with its line and
     PREEMPTED_EXIT_CODE, as later in the start-up, where it would die silently (SIGTERM, SIGUSR1) or with a
     traceback (Ctrl-C). Nothing has begun: nothing is left to clean up."""
     def stop(signum, frame):

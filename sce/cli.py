@@ -1,23 +1,14 @@
-"""What the main_*.py scripts share: the --help formatter, the shared flags and their checks, the entry-point
-wrapper (one-line UserErrors, torchrun error files, no loader worker left behind) and TensorBoard's writer."""
+"""What the main_*.py scripts share on their command line: the --help formatter, the shared flags and their
+checks. (Their entry point is sce.entry's, their TensorBoard writer sce.events'.)"""
 import argparse
-import json
 import math
-import multiprocessing
 import os
-import re
-import signal
-import sys
-import threading
-import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, alive, layouts, losses, stopped_during_startup, timing
+from sce import UserError, layouts, losses
 from sce import distributed as du
 from sce.builder import ARCHS, build_trunk
-from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Interrupted, Stopped, stop_during_startup
 
 # ---------------------------------------------------------------- --help
 
@@ -348,161 +339,3 @@ def add_decode_arg(g):
 def autocast(device, amp):
     """torch.autocast for an --amp value ('none' turns it off)."""
     return torch.autocast(device.type, dtype=AMP[amp], enabled=AMP[amp] is not None)
-
-
-# ---------------------------------------------------------------- entry point
-
-class _ErrorFile(ErrorHandler):
-    """torch's error file, behind torchrun's failure summary ("Root Cause": the rank whose error
-    file has the earliest timestamp). A UserError is written as the line the rank printed, in the
-    file's documented format, instead of a traceback."""
-
-    def record_exception(self, e):
-        path = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker
-        if not isinstance(e, UserError) or not path:
-            return super().record_exception(e)
-        with open(path, "w") as f:
-            json.dump({"message": {"message": f"UserError: {e}", "extraInfo": {
-                "py_callstack": f"error: {e}", "timestamp": str(int(time.time()))}}}, f)
-
-
-def run(main):
-    """Entry point of every script: `if __name__ == "__main__": cli.run(main)`.
-
-    main() runs under torch's error recording (torch.distributed.elastic's `record`): under
-    torchrun a failing rank writes the error file that torchrun's summary reads, so the summary
-    names the first rank that failed and its message, whatever its peers raise next. A UserError
-    then ends as one line `error: ...` on stderr, exit status 1, no traceback; any other exception
-    keeps its traceback. A stop signal before the run's loop takes the signals over ends it at once with
-    PREEMPTED_EXIT_CODE and one line (sce.preemption.Stopped); a second Ctrl-C after a stop request, with
-    INTERRUPTED_EXIT_CODE and one line (sce.preemption.Interrupted). Whatever the exit, its loader workers end with it,
-    and the process leaves at once (leave)."""
-    timing.STARTED = timing.process_start()  # the split's start-up counts the interpreter's and the imports'
-    stop_with_parent()
-    stop_during_startup()
-    try:
-        record(main, _ErrorFile())()
-        code = 0
-    except UserError as e:
-        code = f"error: {one_line(e)}"
-    except Stopped as e:
-        print(stopped_during_startup(e), flush=True)
-        code = PREEMPTED_EXIT_CODE
-    except Interrupted:
-        print("=> interrupted again: leaving at once, without waiting for the checkpoint being written (it is dropped, "
-              "the previous one is kept); run the same command again to continue from that one (exiting with code "
-              f"{INTERRUPTED_EXIT_CODE})", flush=True)
-        code = INTERRUPTED_EXIT_CODE
-    except SystemExit as e:
-        code = e.code
-    finally:
-        end_workers()
-    leave(code)
-
-
-EXIT_AT_ONCE = True  # False where the scripts run inside another program (the tests)
-
-
-def leave(code):
-    """sys.exit(code), but in a script's own process at once: the interpreter's teardown of torch and torchvision
-    takes one or two seconds and does nothing a finished run needs (its files are closed and its checkpoints
-    written, its loader workers ended)."""
-    if not EXIT_AT_ONCE:
-        if code not in (0, None):
-            sys.exit(code)
-        return
-    if isinstance(code, str):  # sys.exit's way with a message
-        print(code, file=sys.stderr)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if code is None else code)
-
-
-def one_line(error):
-    """A UserError's message. Raised in a loader worker, torch raises it again in the main process with the
-    worker's traceback as its message: the last line, the error's own, is kept."""
-    text = str(error).strip()
-    if "Original Traceback" not in text:
-        return text
-    return re.sub(r"^[\w.]+: ", "", text.splitlines()[-1])  # without the exception's name
-
-
-PARENT_PID = "SCE_PARENT_PID"  # set by benchmarks/reproduction/reproduce.sh: its stages stop when it dies
-
-
-def stop_with_parent():
-    """With SCE_PARENT_PID set, a thread sends this process SIGTERM once that process has ended (gone, or a
-    zombie its own parent has not reaped yet), or once this process's parent changed (it was reparented): a
-    stage of a killed reproduce.sh saves and stops (before training, just stops) instead of training on, orphaned."""
-    watched = os.environ.pop(PARENT_PID, None)
-    if not watched:
-        return
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent and alive(int(watched)):
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-    threading.Thread(target=watch, daemon=True, name="stop-with-parent").start()
-
-
-def end_workers():
-    """Kill the loader workers still running (they hold no state). Pretraining's ignore SIGTERM
-    (sce.preemption), and after an error their DataLoader is still referenced by the traceback, so
-    multiprocessing's exit hook, which sends SIGTERM and joins, would wait for them forever."""
-    children = multiprocessing.active_children()
-    if not children:
-        return
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise "worker killed" over the exit
-    for p in children:
-        p.kill()
-    for p in children:
-        p.join(10)
-
-
-def summary_writer(output_dir):
-    """A TensorBoard SummaryWriter on output_dir (Events), or None (with a line saying so) without tensorboard."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print("tensorboard is not installed: no TensorBoard scalars", flush=True)
-        return None
-    events = Events(None, output_dir)  # first: the writer's thread writes (and may fail) in its constructor
-    try:
-        events.writer = SummaryWriter(output_dir)
-    except OSError as e:  # a full disk
-        return events.failed(e)
-    return events
-
-
-class Events:
-    """A SummaryWriter whose failure to write (a full disk) ends its events with one line, never the run: its writer
-    thread's error, raised again by its next call, is caught here; that thread's own report of it (a traceback) is
-    not printed (threading.excepthook, for TensorBoard's writer threads only)."""
-
-    def __init__(self, writer, output_dir):
-        self.writer, self.output_dir = writer, output_dir
-        if not getattr(threading.excepthook, "quiet_tensorboard", False):
-            threading.excepthook = _quiet_tensorboard(threading.excepthook)
-
-    def __getattr__(self, name):  # add_scalar, add_image, flush, close
-        def call(*args, **kwargs):
-            try:
-                return getattr(self.writer, name)(*args, **kwargs) if self.writer else None
-            except OSError as e:
-                return self.failed(e)
-        return call
-
-    def failed(self, error):
-        print(f"=> TensorBoard could not write to {self.output_dir} ({error.strerror}): no more of its events in "
-              "this run", flush=True)
-        self.writer = None
-
-
-def _quiet_tensorboard(hook):
-    def quiet(args):
-        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
-            hook(args)
-    quiet.quiet_tensorboard = True
-    return quiet

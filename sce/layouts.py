@@ -1,8 +1,8 @@
 """The datasets, one row each (`DATASETS`: how each is read, its official download, its native size),
 and their files listed and checked whole without decoding an image and without torch
-(benchmarks/reproduction/reproduce.sh checks its data with them in a second; sce.data.files reads through them): an ImageFolder's class folders and
-image files (a folder loop refused), CIFAR's python batches (each batch's images against its labels), STL-10's
-binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
+(benchmarks/reproduction/reproduce.sh checks its data with them in a second; sce.data.files reads through them): an
+ImageFolder's class folders and image files (a folder loop refused), CIFAR's python batches (each batch's images against
+its labels), STL-10's binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
 import dataclasses
 import os
 import pickle

@@ -237,7 +237,7 @@ def main(argv=None):
 
 
 def run(argv=None):
-    """As sce.cli.run (without its torch): a UserError is one line `error: ...` on stderr, exit 1; no matplotlib,
+    """As sce.entry.run (without its torch): a UserError is one line `error: ...` on stderr, exit 1; no matplotlib,
     exit 2."""
     try:
         main(argv)

@@ -45,7 +45,7 @@ def end_with_parent(worker_id=None):
 
 
 class Interrupted(BaseException):
-    """A second Ctrl-C after a stop request: the run leaves at once, not waiting for the save in progress (sce.cli.run
+    """A second Ctrl-C after a stop request: the run leaves at once, not waiting for the save in progress (sce.entry.run
     says so in one line). Not an Exception, as KeyboardInterrupt is not: no `except Exception` holds it up."""
 
 
@@ -55,7 +55,7 @@ class Stopped(BaseException):
 
 
 def stop_during_startup():
-    """Until a Preemption takes them over, each stop signal raises Stopped where the process is (sce.cli.run turns
+    """Until a Preemption takes them over, each stop signal raises Stopped where the process is (sce.entry.run turns
     it into exit PREEMPTED_EXIT_CODE and one line): preloading or listing a dataset stops at once."""
     def handler(signum, frame):
         raise Stopped(signal.Signals(signum).name)

@@ -16,7 +16,7 @@ OWNED = ["epoch_ends", "knn", "evaluation"]  # the parts their owners time (Spli
 _IMPORTED = time.time()
 
 
-STARTED = None  # when this process started, once a script's entry point (sce.cli.run) says so
+STARTED = None  # when this process started, once a script's entry point (sce.entry.run) says so
 
 
 def lines(output_dir, but=None):
@@ -62,9 +62,9 @@ class Stopwatch:
 class Split:
     """The parts of this process's wall time. mark(name) ends a part of start-up, loop() starts the training loop (the
     end of start-up), done() ends it; stopwatch(part) is what the owner of an OWNED part times its calls with, of
-    which the loop's and what follows it count (before it, start-up's; after it, not exit's: the demo's last kNN). Compiling is everything noted in
-    `compiles` (a sce.compiling.Log) during the loop: each compile, the rest of a step that compiled (its
-    backward's compile), a CUDA graph's capture; an owner's stopwatch leaves its compiles to it."""
+    which the loop's and what follows it count (before it, start-up's; after it, not exit's: the demo's last kNN).
+    Compiling is everything noted in `compiles` (a sce.compiling.Log) during the loop: each compile, the rest of a step
+    that compiled (its backward's compile), a CUDA graph's capture; an owner's stopwatch leaves its compiles to it."""
 
     def __init__(self, compiles):
         self.start, self.compiles = STARTED or time.time(), compiles  # a script's process, or this run (a test's)

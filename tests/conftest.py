@@ -20,9 +20,9 @@ from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from sce import cli  # noqa: E402
+from sce import entry  # noqa: E402
 
-cli.EXIT_AT_ONCE = False  # the scripts run in this process too (exit_message): leave it to pytest
+entry.EXIT_AT_ONCE = False  # the scripts run in this process too (exit_message): leave it to pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # a core a worker (pytest.ini: -n auto); two threads on a busy core run ~10x slower
 
@@ -34,12 +34,14 @@ def pytest_xdist_auto_num_workers(config):
 
 # the tests that take 10 s or more (pytest --durations), slowest first: started first, and their modules before the
 # others, no worker is left alone with one of them at the end of the run (a module's tests stay together)
-SLOW_FIRST = ["test_smoke_run_stopped_and_continued", "test_preempted_node_of_two_ranks_resumes_to_the_run_of_two_nodes",
+SLOW_FIRST = ["test_smoke_run_stopped_and_continued",
+              "test_preempted_node_of_two_ranks_resumes_to_the_run_of_two_nodes",
               "test_two_gloo_ranks_equal_one_process", "test_train_torchvision_under_torchrun_two_processes",
               "test_two_runs_in_one_process_behave_as_two_processes", "test_hung_rank_times_out",
               "test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates",
               "test_preloaded_recipe_compiles_each_graph_once_in_the_first_step",
-              "test_proxies_smoke_then_read_back_and_the_time_limit", "test_rank_that_raises_stops_the_job_and_is_named",
+              "test_proxies_smoke_then_read_back_and_the_time_limit",
+              "test_rank_that_raises_stops_the_job_and_is_named",
               "test_killed_rank_stops_the_job", "test_gpu_augment_run_lowers_the_loss", "test_nodes_that_disagree_stop",
               "test_disk_full_keeps_previous_checkpoint", "test_a_crash_with_loader_workers_exits_at_once",
               "test_refuses_bad_checkpoints", "test_the_evaluations_compile_their_trunk_once"]

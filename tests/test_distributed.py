@@ -400,7 +400,7 @@ def _probe_runs(rank, ports, common, out):
 def test_the_probe_on_two_ranks_stops_mid_epoch_resumes_exactly_and_evaluates(pretrained, labelled, tmp_path):
     """Two ranks (only rank 0 reports) through, and stopped mid-epoch and continued by the same command: the same
     head and accuracy, bit for bit; --evaluate of it on two ranks reads its accuracy. A non-finite loss noted on one
-    rank stops every rank. (Each rank's environment as torchrun sets it; torchrun's launch itself, and cli.run's
+    rank stops every rank. (Each rank's environment as torchrun sets it; torchrun's launch itself, and entry.run's
     error file under it, are the pretraining's tests above: the scripts share them.)"""
     import multiprocessing
     common = ["--data", labelled, "--pretrained", pretrained, "--crop-size", "16", "--epochs", "2", "--batch-size",

@@ -21,7 +21,7 @@ from conftest import (TINY, class_image, exit_message, load, python2_pickle, run
 import main_lincls
 import main_lowshot
 import main_pretrain
-from sce import UserError, cli
+from sce import UserError, cli, entry
 from sce.builder import build_trunk
 from sce.compiling import error_line
 from sce.layouts import read_batch
@@ -36,9 +36,9 @@ def data(tmp_path_factory):
 
 
 def as_user_runs(main, argv):
-    """The script's own entry (cli.run): what it exits with (None: it ran through; an error: its line)."""
+    """The script's own entry (entry.run): what it exits with (None: it ran through; an error: its line)."""
     try:
-        cli.run(lambda: main(argv))
+        entry.run(lambda: main(argv))
     except SystemExit as done:
         return done.code
     return None

@@ -163,7 +163,7 @@ CRASH = """
 import multiprocessing, os, signal, sys, torch
 sys.path.insert(0, os.getcwd())
 import main_pretrain
-from sce import cli
+from sce import entry
 where, sys.argv = sys.argv[1], ["main_pretrain.py"] + sys.argv[2:]
 
 def fail(*args, **kwargs):
@@ -184,7 +184,7 @@ elif where == "knn":
     main_pretrain.knn.Monitor.__call__ = lambda self, model, head=None: fail()
 elif where == "checkpoint":
     torch.save = fail
-cli.run(main_pretrain.main)
+entry.run(main_pretrain.main)
 """
 
 
@@ -278,7 +278,7 @@ STARTUP = """
 import os, sys, time
 sys.path.insert(0, os.getcwd())
 import main_lincls, main_pretrain
-from sce import cli
+from sce import entry
 from sce.data import preloading
 script, sys.argv = sys.argv[1], sys.argv[1:]
 real = preloading._decode_all
@@ -288,7 +288,7 @@ def slow(*args, **kwargs):  # a long preload
     time.sleep(60)
     return real(*args, **kwargs)
 preloading._decode_all = slow
-cli.run((main_pretrain if script == "main_pretrain.py" else main_lincls).main)
+entry.run((main_pretrain if script == "main_pretrain.py" else main_lincls).main)
 """
 
 
@@ -337,7 +337,7 @@ runpy.run_path(script, run_name="__main__")
 @pytest.mark.parametrize("script,signum", [("main_pretrain.py", signal.SIGTERM), ("main_lincls.py", signal.SIGUSR1),
                                            ("main_lowshot.py", signal.SIGINT)])
 def test_a_stop_while_the_script_imports_exits_75_with_its_line(tmp_path, script, signum):
-    """A stop signal in the first seconds, while torch imports (before sce.cli.run takes the signals over): the same
+    """A stop signal in the first seconds, while torch imports (before sce.entry.run takes the signals over): the same
     line and exit 75, not a silent death by the signal (143, 138) or Ctrl-C's traceback."""
     proc = subprocess.run([sys.executable, "-c", IMPORTING, str(int(signum)), script, "--output-dir", str(tmp_path)],
                           cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,

@@ -130,7 +130,8 @@ def test_each_method_is_its_record(qkm):
     q, k, queue = qkm
     for flags, loss, want in [([], "sce", reference_sce(q, k, queue, 0.5, 0.1, 0.07, False)),
                               (["--loss-coeffs", "0.5", "0.5", "0"], "combined",
-                               0.5 * reference_infonce(q, k, queue, 0.1) + 0.5 * reference_ressl(q, k, queue, 0.1, 0.07)),
+                               0.5 * reference_infonce(q, k, queue, 0.1)
+                               + 0.5 * reference_ressl(q, k, queue, 0.1, 0.07)),
                               (["--method", "moco"], "infonce", reference_infonce(q, k, queue, 0.2)),
                               (["--method", "ressl"], "ressl", reference_ressl(q, k, queue, 0.1, 0.04))]:
         args = main_pretrain.parse_args(["--data", "unread"] + flags)

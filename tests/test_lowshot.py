@@ -233,7 +233,8 @@ def test_bad_inputs(pretrained, voc, tmp_path, capsys):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--jobs", "0"])
     capsys.readouterr()
     with pytest.raises(UserError, match=r"--resize 10000000: the resized images of 1 reading process\(es\) need "
-                                        r"279396.8 GiB alone, more than all of this machine's memory .*: lower --resize"):
+                                        r"279396.8 GiB alone, more than all of this machine's memory .*: "
+                                        r"lower --resize"):
         main_lowshot.main(["--data", voc[0], "--pretrained", pretrained, "--resize", str(10 ** 7), "--workers", "1",
                            "--jobs", "100000", "--output-dir", str(tmp_path / "huge")])
     cores = cli.cores_per_rank()

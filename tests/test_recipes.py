@@ -52,8 +52,8 @@ def test_recipes_cover_the_paper():
         args = main_pretrain.parse_args(line)
         assert args.crop_size == DATASETS[name].native_size, name
         flags = reproduce_tools.recipe_flags(name)
-        assert main_pretrain.parse_args(flags + ["--data", args.data, "--dataset", name, "--output-dir", args.output_dir]
-                                        ) == main_pretrain.parse_args(line), name
+        given = ["--data", args.data, "--dataset", name, "--output-dir", args.output_dir]
+        assert main_pretrain.parse_args(flags + given) == main_pretrain.parse_args(line), name
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[-60:] for c in COMMANDS])

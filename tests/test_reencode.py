@@ -1,6 +1,6 @@
-"""benchmarks/fidelity/reencode.py's copy is whole or absent: every image and folder (linked ones once, a loop refused), no
-two images into one file, no foreign or other copy overwritten, a copy cut short by kill -9 finished, and a failure
-or a stop leaving neither its partial copy nor its workers. (Its pixels: test_cifar10_gap.py.)"""
+"""benchmarks/fidelity/reencode.py's copy is whole or absent: every image and folder (linked ones once, a loop
+refused), no two images into one file, no foreign or other copy overwritten, a copy cut short by kill -9 finished, and a
+failure or a stop leaving neither its partial copy nor its workers. (Its pixels: test_cifar10_gap.py.)"""
 import os
 import signal
 import subprocess

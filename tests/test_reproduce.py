@@ -1,5 +1,5 @@
-"""benchmarks/reproduction/reproduce.sh: the baselines table's small and medium datasets from their official files (written
-here in each format, a few images each): SMOKE=1 runs the whole script, its commands are RECIPES.md's settings,
+"""benchmarks/reproduction/reproduce.sh: the baselines table's small and medium datasets from their official files
+(written here in each format, a few images each): SMOKE=1 runs the whole script, its commands are RECIPES.md's settings,
 bad input is one line, and a signal reaches the running stage instead of orphaning it."""
 import collections
 import glob
@@ -142,7 +142,8 @@ def test_the_up_front_check_reads_what_the_readme_says(tmp_path):
     # whole files pass, and the check imports no torch (its 2-5 s before any stage)
     write_cifar(str(tmp_path / "whole"), 10, per_batch=10)
     probe = ("import runpy, sys\nsys.argv = ['reproduce_tools.py'] + sys.argv[1:]\n"
-             "runpy.run_path('benchmarks/reproduction/reproduce_tools.py', run_name='__main__')\nprint('torch' in sys.modules)")
+             "runpy.run_path('benchmarks/reproduction/reproduce_tools.py', run_name='__main__')\n"
+             "print('torch' in sys.modules)")
     said = subprocess.run([sys.executable, "-c", probe, "check", "cifar10", str(tmp_path / "whole"),
                            str(tmp_path / "whole.env")], cwd=REPO, capture_output=True, text=True)
     assert said.returncode == 0 and said.stdout.splitlines()[-1] == "False", said.stdout + said.stderr
@@ -206,8 +207,9 @@ def test_smoke_run_stopped_and_continued(tmp_path):
     assert re.search(r"^   Epoch \[1/1\]\[5/5\] loss .*\n   => epoch 1: kNN top-1 ", done.stdout, re.M)  # pretraining
     # the estimate from the running stage after its first epoch: one pretraining process, no restart
     assert done.stdout.count("=== sce pretrain") == 1
-    assert re.search(r"^   => estimate after epoch 1: .*\n=> estimated time of each stage on this machine: sce pretrain "
-                     r"[\d.]+ min, sce linear [\d.]+ min; [\d.]+ min in all", done.stdout, re.M)
+    assert re.search(r"^   => estimate after epoch 1: .*\n"
+                     r"=> estimated time of each stage on this machine: sce pretrain [\d.]+ min, "
+                     r"sce linear [\d.]+ min; [\d.]+ min in all", done.stdout, re.M)
     assert re.search(r"^   Epoch 1/1: Acc@1 ", done.stdout, re.M)  # the linear probe's epoch
     # the same command again: every stage is done, nothing runs again; a method finished in OUT_DIR by another
     # invocation (here ReSSL, a copy of the SCE run standing for one) is in the table too

@@ -22,7 +22,7 @@ import torch
 from conftest import (REPO, TINY, assert_same_state, assert_trained, exit_message, load, loss_hook, pretrain,
                       sends_signal_at, write_imagefolder)
 import main_pretrain
-from sce import UserError, checkpoint, cli, outdir, timing
+from sce import UserError, checkpoint, entry, outdir, timing
 from sce.epoch import estimate_due, log_epoch
 from sce.optim import build_optimizer
 from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
@@ -68,8 +68,8 @@ def test_resume_equals_uninterrupted_run(small, tmp_path, capsys):
     assert int(a["model"]["queue_ptr"]) == 0  # 4 steps x 8 keys wrap a 32-key queue
     assert os.path.exists(tmp_path / "a" / "checkpoint_0002.pth")  # last epoch always numbered
     # progress line and TensorBoard scalars
-    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ online \d+\.\d% \d+\.\d img/s data \d+% skipped 0 eta \d+:\d\d:\d\d",
-                     first)
+    assert re.search(r"\] loss \d+\.\d+ lr \S+ m \S+ online \d+\.\d% \d+\.\d img/s data \d+% skipped 0 "
+                     r"eta \d+:\d\d:\d\d", first)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tmp_path / "a")).Reload()
     tags = set(events.Tags()["scalars"])
@@ -146,10 +146,10 @@ def test_a_second_ctrl_c_while_the_stop_saves_leaves_at_once_in_one_line(small, 
         released.wait(60)  # never written (a process that left takes this thread with it)
     monkeypatch.setattr(main_pretrain.losses, "criterion", sends_signal_at(signal.SIGINT, 3))  # epoch 2's first step
     monkeypatch.setattr(checkpoint, "save_atomic", stuck)
-    monkeypatch.setattr(timing, "STARTED", timing.STARTED)  # cli.run sets this process's start
+    monkeypatch.setattr(timing, "STARTED", timing.STARTED)  # entry.run sets this process's start
     try:
         with pytest.raises(SystemExit) as left:
-            cli.run(lambda: pretrain(small, tmp_path, "--epochs", 2))
+            entry.run(lambda: pretrain(small, tmp_path, "--epochs", 2))
     finally:
         released.set()
     assert left.value.code == INTERRUPTED_EXIT_CODE == 130

@@ -1,5 +1,5 @@
-"""benchmarks/fidelity/step_equality.py's comparison without the authors' code: our step against a record of our own step
-reads equal to the bit, a perturbed weight shows in the groups it reaches, their names and layouts map onto ours,
+"""benchmarks/fidelity/step_equality.py's comparison without the authors' code: our step against a record of our own
+step reads equal to the bit, a perturbed weight shows in the groups it reaches, their names and layouts map onto ours,
 and the BN order puts the same images in each group."""
 import copy
 import os

@@ -256,8 +256,8 @@ def test_blur_has_the_requested_sigma_at_every_size(size):
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 def test_compiled_views_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatch):
     """What CUDA runs by default: a view's chain compiled whole (fullgraph: one graph, no break), traced by
-    aot_eager here (inductor's C++ build takes half a minute on 2 cores; its numbers on a GPU are benchmarks/gpu/check.sh's);
-    a compile that fails warns once and runs eagerly from then on."""
+    aot_eager here (inductor's C++ build takes half a minute on 2 cores; its numbers on a GPU are
+    benchmarks/gpu/check.sh's); a compile that fails warns once and runs eagerly from then on."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real(fn, backend="aot_eager", **kwargs))
     image = torch.randint(0, 256, (3, 60, 70), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)

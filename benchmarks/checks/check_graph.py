@@ -4,14 +4,14 @@ CIFAR-10 model (its line, read by reproduce_tools.py: ResNet-18 small-input, the
 queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.step.build_step's CUDA
 graph (captured after its eager steps), with the online probe (main_pretrain.py's default) and its labels; losses,
 the logged terms of eq. 10, the probe's top-1 and the final weights (its head's too) must agree. The lr, the EMA
-momentum and lambda change at every step (what the graph reads from device tensors). Eager modules and fp32 with cuDNN's deterministic
-kernels, so that only the graph differs (the compiled default path is checked end to end by main_pretrain.py).
-Shuffle-BN's order is one fixed permutation in both runs (MomentumModel.shuffle_order): the graph would draw its
-own from CUDA's generator in another order.
-Then the linear probe's step (sce.probe.Step) the same way: a frozen ResNet-18 trunk (eager) and its head, 8 whole
-batches, a partial one (eager in both runs) and 3 whole ones, the lr changing at every step; the losses, the head
-and the epoch's sums must agree, and a non-finite loss at a replayed step must be recorded at its index; then the
-same pair with the trunk torch.compile'd (main_lincls.py's default on a GPU; --no-compiled-probe skips it).
+momentum and lambda change at every step (what the graph reads from device tensors). Eager modules and fp32 with
+cuDNN's deterministic kernels, so that only the graph differs (the compiled default path is checked end to end by
+main_pretrain.py). Shuffle-BN's order is one fixed permutation in both runs (MomentumModel.shuffle_order): the graph
+would draw its own from CUDA's generator in another order. Then the linear probe's step (sce.probe.Step) the same way: a
+frozen ResNet-18 trunk (eager) and its head, 8 whole batches, a partial one (eager in both runs) and 3 whole ones, the
+lr changing at every step; the losses, the head and the epoch's sums must agree, and a non-finite loss at a replayed
+step must be recorded at its index; then the same pair with the trunk torch.compile'd (main_lincls.py's default on a
+GPU; --no-compiled-probe skips it).
 
     python benchmarks/checks/check_graph.py [--steps 8] [--no-compiled-probe]
 """

@@ -19,9 +19,10 @@ Their run stops with one line when each of its first 3 batches holds one class (
 shuffles only when Lightning's DDP adds a sampler or the caller asks (authors_reference.sh does).
 `unpack` puts their pins (pure-Python wheels) into SITE_DIR, once, for their runs' PYTHONPATH: a wheel is a zip
 archive, unpacked as it is, because pip 24.1 and later refuse pytorch-lightning 1.7.7's metadata ("torch
-(>=1.9.*)") even with --no-deps. Lightning 1.7 loads its own checkpoints with torch.load's old default (weights_only=False), which torch 2.6 and
-later no longer assume: resuming sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (their own files, trusted). With
-AUTHORS_DEADLINE (a Unix time) set, the run ends at the end of the last epoch that fits before it (StopAtDeadline).
+(>=1.9.*)") even with --no-deps. Lightning 1.7 loads its own checkpoints with torch.load's old default
+(weights_only=False), which torch 2.6 and later no longer assume: resuming sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1
+(their own files, trusted). With AUTHORS_DEADLINE (a Unix time) set, the run ends at the end of the last epoch that fits
+before it (StopAtDeadline).
 """
 import os
 import runpy

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Short proxies of the CIFAR-10 row: the reproduction's SCE pretraining (benchmarks/reproduction/reproduce.sh cifar10, RECIPES.md's
-line, with a GPU's flags there) for a short whole schedule, once per variant, one after the other, each against
-the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the last epoch (k 200, T 0.07, on val).
+"""Short proxies of the CIFAR-10 row: the reproduction's SCE pretraining (benchmarks/reproduction/reproduce.sh cifar10,
+RECIPES.md's line, with a GPU's flags there) for a short whole schedule, once per variant, one after the other, each
+against the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the last epoch (k 200, T 0.07, on val).
 
     python benchmarks/fidelity/proxies.py --data data/cifar10 [--out runs/proxies] [--epochs 30] [--variants NAME ...]
         [--time-limit SECONDS] [--smoke] [--dry-run]
@@ -81,7 +81,8 @@ def row_commands(data, out, smoke):
     """{method: argv} of the reproduction's pretraining for SCE and MoCo v2 (reproduce.sh's DRY_RUN), and the data
     folder they read."""
     env = dict(os.environ, DRY_RUN="1", METHODS="sce moco", PYTHON=sys.executable, SMOKE="1" if smoke else "0")
-    said = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "reproduction", "reproduce.sh"), "cifar10", data, os.path.join(out, "row")],
+    script = os.path.join(REPO, "benchmarks", "reproduction", "reproduce.sh")
+    said = subprocess.run(["bash", script, "cifar10", data, os.path.join(out, "row")],
                           capture_output=True, text=True, env=env)
     if said.returncode:
         raise UserError(said.stderr.strip().splitlines()[-1].removeprefix("error: ") if said.stderr.strip()
@@ -249,7 +250,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     start, epochs = time.time(), args.epochs or (1 if args.smoke else EPOCHS)
     if not (args.time_limit == 0 or 0 < args.time_limit < float("inf")):  # nan and -1 would stop every variant
-        raise UserError(f"--time-limit {args.time_limit} is not a number of seconds: give a positive one, or 0 for none")
+        raise UserError(f"--time-limit {args.time_limit} is not a number of seconds: give a positive one, "
+                        "or 0 for none")
     if epochs < 1:
         raise UserError(f"--epochs {epochs} trains nothing: give 1 or more")
     for name in args.variants:

@@ -5,12 +5,12 @@ is theirs, to what precision, and what else differs (structure, schedules, views
     python benchmarks/fidelity/step_equality.py AUTHORS_DIR [--steps 5] [--batch-size 32] [--out runs/step_equality]
 
 AUTHORS_DIR: a checkout of CEA-LIST/SCE (tried at 07cbe63). Their code runs in its own process (both packages are
-named `sce`), with the interpreter and pins of benchmarks/fidelity/authors_reference.sh (PYTHON_AUTHORS, AUTHORS_WHEELS; the
-same helps, from authors_reference.py, nothing of theirs edited): their CIFAR-10 config (resnet18_cifar10.yaml) on
-one CPU device in fp32, their SCEModel built by Hydra (seed 0), trained by their Lightning Trainer on given batches
-(two views of N(0, 1) pixels, 32 px) with their optimizer, scheduler and EMA, the shuffle-BN order of each step
-given (their single-device shuffle replaced by one that returns it: the only thing set from outside). Their
-scheduler is first moved to step 1000 (past the warm-up, so the lr is not 0). A recorder saves, at each step, the
+named `sce`), with the interpreter and pins of benchmarks/fidelity/authors_reference.sh (PYTHON_AUTHORS,
+AUTHORS_WHEELS; the same helps, from authors_reference.py, nothing of theirs edited): their CIFAR-10 config
+(resnet18_cifar10.yaml) on one CPU device in fp32, their SCEModel built by Hydra (seed 0), trained by their Lightning
+Trainer on given batches (two views of N(0, 1) pixels, 32 px) with their optimizer, scheduler and EMA, the shuffle-BN
+order of each step given (their single-device shuffle replaced by one that returns it: the only thing set from outside).
+Their scheduler is first moved to step 1000 (past the warm-up, so the lr is not 0). A recorder saves, at each step, the
 state before it (weights, momentum weights, BN statistics, queue, SGD buffers), the gradients, the loss and the lr.
 
 Ours then runs each step from their state before it (mapped onto our names; their queue transposed), with their
@@ -21,9 +21,9 @@ train_step, which main_pretrain.py runs. Our flags are their config's (OURS_FLAG
 
 Printed (and in OUT/results.json): the structure mapping (names, shapes, what only one side has), per group the
 relative difference (step_differences: the gradients' largest per tensor; for what a step changes, over the
-group's change) at the first step and the largest over all, the lr / EMA momentum / lambda of a whole 200-epoch run (195 steps an
-epoch) from their scheduler and ours, and the views' random parameters (their transforms' settings; 100,000 draws
-of each side, compared by Kolmogorov-Smirnov and binomial tests).
+group's change) at the first step and the largest over all, the lr / EMA momentum / lambda of a whole 200-epoch run
+(195 steps an epoch) from their scheduler and ours, and the views' random parameters (their transforms' settings;
+100,000 draws of each side, compared by Kolmogorov-Smirnov and binomial tests).
 """
 import argparse
 import copy

@@ -15,8 +15,8 @@
 Nothing outside sce/data imports those modules: it imports this one."""
 from sce.data.evaluation import (READER, EvalSplit, Geometry, eval_crop_size, eval_resize, eval_route,  # noqa: F401
                                  eval_split, eval_splits, read_splits)
-from sce.data.files import (DATASETS, ImageList, build_dataset, data_folder, digits_imagefolder, fingerprint,  # noqa: F401
-                             read_voc07)
+from sce.data.files import (DATASETS, ImageList, build_dataset, data_folder,  # noqa: F401
+                             digits_imagefolder, fingerprint, read_voc07)
 from sce.data.images import decode_rgb_tensor, read_header  # noqa: F401
 from sce.data.jpeg import JpegDecoder  # noqa: F401
 from sce.data.jpeg import available as jpeg_on_device

@@ -1,5 +1,6 @@
 """Tensor ops on batches of images, the same on the CPU and on a GPU: the crops and resizes of every route that
-crops tensors (resized_crops, window_crop, resize_center_crop, all on resize_weights), the photometric ops of Table 2 with per-image parameters, and the normalisation.
+crops tensors (resized_crops, window_crop, resize_center_crop, all on resize_weights), the photometric ops of Table 2
+with per-image parameters, and the normalisation.
 
 Crop and resize are two matrix products with the weights of an antialiased resize per image and axis
 (a triangle filter as wide as the scale when shrinking: torch's `interpolate(mode="bilinear",

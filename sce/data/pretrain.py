@@ -8,11 +8,11 @@
     PreloadRoute  the images were decoded once onto the device (sce.data.preloading): everything happens there
 
 Every route yields the same batch to the step: the list of views, each (N, 3, size, size) normalised in the
-run's dtype and memory format on the device (a Batch: with the images' labels beside, for the online probe). Every route draws a view's parameters with sce.data.views.draw
-from (seed, epoch, index, view), the seed the sampler's, so the routes give the same crops, flips and
-photometric parameters, and the tensor routes the same pixels within a level (the workers crop uint8 images in
-uint8, the device crops decoded ones in float; the PIL resize of --augment cpu differs by a level or two). An
-unreadable image is replaced by the next readable one, named once, and counted against max_bad."""
+run's dtype and memory format on the device (a Batch: with the images' labels beside, for the online probe). Every
+route draws a view's parameters with sce.data.views.draw from (seed, epoch, index, view), the seed the sampler's, so the
+routes give the same crops, flips and photometric parameters, and the tensor routes the same pixels within a level (the
+workers crop uint8 images in uint8, the device crops decoded ones in float; the PIL resize of --augment cpu differs by a
+level or two). An unreadable image is replaced by the next readable one, named once, and counted against max_bad."""
 import functools
 import os
 import time
