@@ -18,7 +18,7 @@ import torch
 
 from sce import UserError, cli, compiling, cuda_graph, data, entry, events, knn, losses, outdir, timing
 from sce import distributed as du
-from sce.builder import ARCHS, build_model, build_trunk
+from sce.builder import ARCHS, build_model
 from sce.checkpoint import Writer
 from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs
 from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch

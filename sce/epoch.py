@@ -29,7 +29,7 @@ class Run:
     """What an epoch needs besides its number: the settings, the collaborators, where this invocation began."""
     args: argparse.Namespace
     training: Training
-    step: object  # build_step's: step(views, momentum) -> (loss, finite, terms)
+    step: object  # build_step's: step(views, momentum, labels=None) -> (loss, finite, terms)
     schedules: Schedules
     lam: Lambda  # the criterion's lambda, set at each step
     batches: object  # iterating: the epoch's lists of views on the device (sce.data.pretrain_batches); wait_s
@@ -65,6 +65,7 @@ class Tally:
         if isinstance(sums, list):  # a checkpoint of before 2026-11-28: steps, loss, the terms, finite losses
             sums = {"list": sums[:-1], "finite_losses": sums[-1]}
         self.resumed = sums
+        self.lacking, self.resumed_steps = [], 0.0  # names the resumed sums lack; their steps (resumed_sums)
         self.finite_losses = torch.full((), sums["finite_losses"] if sums else 0.0, device=device)  # any loss
         self.nonfinite = nonfinite.clone()
 
@@ -73,7 +74,7 @@ class Tally:
         self.finite_losses += torch.isfinite(loss)
         named = {"steps": torch.ones_like(loss), "loss": loss.float(), **(terms or {})}
         values = torch.where(finite, torch.stack(list(named.values())), 0.0)
-        if self.names is None:  # the first step: the loss, then the method's terms in the order it returns them
+        if self.names is None:  # the first step: steps, the loss, then the terms in the order the step returns them
             self.names, self.window = list(named), torch.zeros_like(values)
             self.epoch = values.new_tensor(self.resumed_sums()) if self.resumed else torch.zeros_like(values)
         self.window += values
@@ -81,15 +82,23 @@ class Tally:
 
     def resumed_sums(self):
         """The resumed epoch's sums in the order of `names`, 0 for a name it lacks (a run resumed with the online
-        probe that stopped without it); an old checkpoint's list holds steps, loss and the method's terms."""
+        probe that stopped without it: read scales that name's sum to its mean over the steps since); an old
+        checkpoint's list holds steps, loss and the method's terms."""
         resumed = self.resumed
         if "list" in resumed:
             resumed = dict(zip(self.names, resumed["list"]))
+        self.lacking, self.resumed_steps = [n for n in self.names if n not in resumed], resumed.get("steps", 0.0)
         return [resumed.get(name, 0.0) for name in self.names]
 
     def read(self, sums):
-        """{name: value} of `sums` (the window or the epoch): one copy to the host."""
-        return dict(zip(self.names, sums.tolist()))
+        """{name: value} of `sums` (the window or the epoch): one copy to the host. In the epoch's, a name the
+        resumed sums lacked counts this invocation's steps only: its sum x steps / steps since the resume."""
+        values = dict(zip(self.names, sums.tolist()))
+        if sums is self.epoch and self.lacking:
+            since = values["steps"] - self.resumed_steps
+            for name in self.lacking:
+                values[name] = values[name] * values["steps"] / since if since else float("nan")
+        return values
 
     def sums(self):
         """The epoch's sums so far by name, for a checkpoint within it (Epoch.sums)."""

@@ -136,14 +136,21 @@ class Monitor:
         self.compiles = compiles or Log()
         self.stopwatch = stopwatch or Stopwatch(self.compiles)
         self.images = self.compile_s = None
+        self.said_classes = False  # that the probe's classes are not the kNN data's
         self.fallback = Fallback("the kNN monitor's encoder", lambda encoder, x: encoder(x),
                                  lambda encoder, x: encoder._call_impl(x)) if compiled else None
 
     def __call__(self, model, head=None):
-        """[kNN top-1, top-5] (then the online probe's top-1 with `head`: its linear head)."""
+        """[kNN top-1, top-5] (then the online probe's top-1 with `head`: its linear head, trained on --data's labels,
+        read where the monitor's data has as many classes: an ImageFolder's are its folders sorted by name)."""
         return self.stopwatch.timed(self._run, model, head)
 
     def _run(self, model, head):
+        if head is not None and head.out_features != self.sets[2]:
+            if du.is_main() and not self.said_classes:
+                print(f"=> the online probe's val top-1 is not read: it learns {head.out_features} classes, the kNN "
+                      f"data has {self.sets[2]}", flush=True)
+            self.said_classes, head = True, None
         logged, before = self.compiles.total(), len(self.compiles.seconds)
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)

@@ -150,8 +150,13 @@ def resume(args, model, optimizer, scaler, rank, data=None, probe=None):
     load_optimizer_state(optimizer, ckpt["optimizer"])
     if scaler and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    if probe and ckpt.get("online_probe"):
-        probe.load_state_dict(ckpt["online_probe"])
+    saved = ckpt.get("online_probe")
+    if probe and saved and saved["head"]["weight"].shape != probe.head.weight.shape:  # other data's classes
+        if rank == 0:
+            print(f"=> {path}'s online probe has {len(saved['head']['weight'])} classes, this data "
+                  f"{len(probe.head.weight)}: it starts afresh", flush=True)
+    elif probe and saved:
+        probe.load_state_dict(saved)
     elif probe and rank == 0:
         print(f"=> {path} holds no online probe: it starts afresh", flush=True)
     torch.set_rng_state(ckpt["rng"]["torch"])

@@ -3,7 +3,7 @@ calls it (build_step: eager, compiled, or replayed from a CUDA graph) and the lr
 global step (Schedules). main_pretrain.py, sce.epoch's loop and the benchmarks (benchmarks/speed/bench_pretrain.py,
 benchmarks/fidelity/step_equality.py, benchmarks/checks/check_graph.py) all run these.
 
-build_step wraps train_step from the inside out, each wrapper keeping the contract step(views, momentum) ->
+build_step wraps train_step from the inside out, each wrapper keeping the contract step(views, momentum, labels=None) ->
 (loss, finite, terms), device tensors, no host sync:
   1. train_step bound to a Training (functools.partial): the step itself;
   2. CompiledStep (sce.compiling), when the modules were compile_model'd: the first call runs eagerly through
@@ -47,11 +47,11 @@ class Training:
 
 
 class OnlineProbe:
-    """A linear head on the online trunk's pooled features of the first query view, detached, trained at every step
-    with its own optimizer (Adam, as the authors' online evaluator; its gradients averaged over the ranks): a
-    running top-1 of the training batches beside the method, which it never touches (its loss has no path to the
-    trunk, its step no part in the method's guard). Its top-1 on the validation split is the kNN monitor's
-    (sce.knn: the same features). Labels below 0 (images without one) count for nothing."""
+    """A linear head on the online trunk's pooled features of the first query view, detached, trained at every step with
+    its own optimizer (Adam, as the authors' online evaluator; its gradient the mean over the labelled images of every
+    rank): a running top-1 of the training batches beside the method, which it never touches (its loss has no path to
+    the trunk, its step no part in the method's guard). Its top-1 on the validation split is the kNN monitor's (sce.knn:
+    the same features). Labels below 0 (images without one) count for nothing."""
 
     def __init__(self, feat_dim, num_classes, device, lr=1e-3):
         with torch.random.fork_rng(devices=[]):  # its own draws (the CPU's generator, put back; no GPU's touched)
@@ -86,16 +86,19 @@ class OnlineProbe:
         with torch.autocast(features.device.type, enabled=False):
             logits = self.head(features.float())
             losses = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
-        count = labeled.sum().clamp(min=1)
+        count = labeled.sum()
         self.optimizer.zero_grad(set_to_none=True)
-        (torch.where(labeled, losses, 0.0).sum() / count).backward()
+        torch.where(labeled, losses, 0.0).sum().backward()
         grads = [p.grad for p in self.head.parameters()]
-        if du.world_size() > 1:  # one head on every rank: the batch's gradient
-            flat = du.all_reduce_sum(torch.cat([g.flatten() for g in grads])) / du.world_size()
-            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        # the mean over the whole batch's labelled images, whichever ranks hold them (one head on every rank)
+        flat = torch.cat([g.flatten() for g in grads] + [count.float().view(1)])
+        if du.world_size() > 1:
+            flat = du.all_reduce_sum(flat)
+        flat = flat[:-1] / flat[-1].clamp(min=1)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
         step_unless_nonfinite(self.optimizer, grads_finite(self.optimizer))
         hits = (logits.detach().argmax(dim=1) == labels) & labeled
-        return 100 * hits.sum() / count
+        return 100 * hits.sum() / count.clamp(min=1)
 
 
 def train_step(t, views, momentum, labels=None):
@@ -137,12 +140,12 @@ def train_step(t, views, momentum, labels=None):
 
 
 def build_step(training, compiled=False, graphs=None, compiles=None):
-    """What the loop calls each step, step(views, momentum) -> (loss, finite, terms): train_step on `training`,
-    eager; compiled (its modules were compiling.compile_model'd): through compiling.CompiledStep, which falls back
-    to eager at the first step; graphs (sce.cuda_graph.CudaGraphs, or the tests' stand-in): replayed from a CUDA
-    graph after GRAPH_WARMUP eager steps (sce.cuda_graph.Graphed; the outputs are the graph's tensors, overwritten
-    by the next step). What changes from step to step reaches a graph through device tensors: the views and the
-    EMA momentum copied in, the lr filled in place (lr_as_tensors, then set_lr), lambda the criterion's tensor
+    """What the loop calls each step, step(views, momentum, labels=None) -> (loss, finite, terms): train_step on
+    `training`, eager; compiled (its modules were compiling.compile_model'd): through compiling.CompiledStep, which
+    falls back to eager at the first step; graphs (sce.cuda_graph.CudaGraphs, or the tests' stand-in): replayed from a
+    CUDA graph after GRAPH_WARMUP eager steps (sce.cuda_graph.Graphed; the outputs are the graph's tensors, overwritten
+    by the next step). What changes from step to step reaches a graph through device tensors: the views and the EMA
+    momentum copied in, the lr filled in place (lr_as_tensors, then set_lr), lambda the criterion's tensor
     (sce.losses.Lambda). compiles: the run's compiling.Log, where compiles and a capture are noted."""
     step = functools.partial(train_step, training)
     if compiled:

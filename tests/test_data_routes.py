@@ -176,7 +176,10 @@ def test_a_refused_jpeg_is_decoded_on_the_host_and_a_damaged_one_replaced(photos
         got = next(iter(batches(root, "decode", max_bad=1)))
     assert f"warning: skipping unreadable image {damaged} (" in capsys.readouterr().out
     # replaced as the gpu route's workers replace it: the next readable image, with the draws of its index
-    assert all(torch.equal(a, b) for a, b in zip(got, next(iter(batches(root, "gpu", max_bad=1)))))
+    workers = next(iter(batches(root, "gpu", max_bad=1)))
+    assert all(torch.equal(a, b) for a, b in zip(got, workers))
+    # its place holds another image's pixels: no label for the online probe there, the others' kept
+    assert sorted(got.labels.tolist()) == sorted(workers.labels.tolist()) == [-1] + [0] * 7
 
 
 def test_which_files_the_device_decodes(tmp_path):
@@ -218,7 +221,8 @@ def test_preload_names_and_replaces_bad_images(tmp_path, capsys, read):
     index = [p for p, _ in dataset.samples].index(bad)
     for i in range(len(dataset)):  # the bad one holds the next image, as the loader does
         assert torch.equal(images.images[i], files.load_rgb_tensor(dataset.samples[i + (i == index)][0]))
-    assert images.targets.tolist() == dataset.targets
+    assert images.targets.tolist() == [-1 if i == index else t for i, t in enumerate(dataset.targets)]  # no label
+    assert dataset.targets[index] == 1  # its own left as read
     with pytest.raises(UserError, match="1 unreadable images, more than --max-bad-images 0"):
         preloading.preload(dataset, data.Budget(CPU), required=True, max_bad=0)
 

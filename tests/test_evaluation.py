@@ -424,6 +424,20 @@ def test_knn_max_train_takes_a_seeded_subset_as_the_bank(tmp_path):
     assert torch.equal(banks[0], banks[1]) and not torch.equal(banks[0], banks[2])  # drawn from the seed
 
 
+def test_the_monitor_reads_the_probe_only_on_data_of_as_many_classes(tmp_path, capsys):
+    """The online probe's head learns --data's classes: on --knn-data of another number its top-1 would compare
+    other labels; it is left out, said once."""
+    from types import SimpleNamespace
+    from sce.knn import Monitor
+    root = write_imagefolder(tmp_path / "knn", 3, 4, 4)
+    monitor = Monitor(sce_data.eval_splits("imagefolder", root, 4, True, CPU), k=1, t=0.07)
+    model = SimpleNamespace(encoder=torch.nn.Flatten())  # 3 x 4 x 4 pixels as the features
+    assert len(monitor(model, torch.nn.Linear(48, 3))) == 3  # kNN top-1, top-5, the probe's top-1
+    assert [len(monitor(model, torch.nn.Linear(48, 2))) for _ in range(2)] == [2, 2]
+    said = "the online probe's val top-1 is not read: it learns 2 classes, the kNN data has 3"
+    assert capsys.readouterr().out.count(said) == 1
+
+
 def test_knn_monitor_reads_cifar_batches(tmp_path):
     write_cifar(tmp_path)
     train, val, classes = sce_data.eval_splits("cifar10", str(tmp_path), 16, True, CPU)

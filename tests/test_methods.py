@@ -111,10 +111,31 @@ def test_the_online_probe_learns_from_labelled_images_only_and_reads_its_top1():
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.head.parameters()))
 
 
+def test_the_probes_gradient_over_ranks_is_the_whole_batchs_mean(monkeypatch):
+    """Ranks holding different numbers of labelled images (STL-10's unlabelled ones): each rank's head steps with the
+    gradient of the whole batch's labelled images, as one process holding them all; not the mean of the ranks' means.
+    Two ranks simulated in one process: rank 1's sum recorded, then added to rank 0's by the all-reduce."""
+    from sce import distributed as du
+    from sce.step import OnlineProbe
+    features, labels = torch.randn(6, 8), torch.tensor([0, -1, -1, 1, 2, 1])  # rank 0: 1 labelled; rank 1: 3
+    whole = OnlineProbe(8, 3, "cpu")
+    whole.step(features, labels)
+    sent = []
+    monkeypatch.setattr(du, "world_size", lambda: 2)
+    monkeypatch.setattr(du, "all_reduce_sum", lambda x: sent.append(x.clone()) or x)
+    OnlineProbe(8, 3, "cpu").step(features[3:], labels[3:])  # rank 1's share
+    monkeypatch.setattr(du, "all_reduce_sum", lambda x: x + sent[0])
+    rank0 = OnlineProbe(8, 3, "cpu")
+    rank0.step(features[:3], labels[:3])
+    for a, b in zip(rank0.head.parameters(), whole.head.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+        torch.testing.assert_close(a, b)
+
+
 def test_the_probe_keeps_the_runs_random_numbers_and_its_own_settings_on_resume(monkeypatch):
     """Its head's draws touch no GPU generator (shuffle-BN's there) and put the CPU's back; a resumed probe keeps
     this run's lr; a mid-epoch checkpoint written without it (an old list, or a dict) resumes with it."""
-    from sce.epoch import Tally
+    from sce.epoch import Tally, window_means
     from sce.step import OnlineProbe
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: pytest.fail("a GPU generator was seeded"))
     saved = OnlineProbe(8, 3, "cpu", lr=0.1)
@@ -127,7 +148,10 @@ def test_the_probe_keeps_the_runs_random_numbers_and_its_own_settings_on_resume(
     for sums in ([2.0, 14.0, 6.0, 2.0], {"steps": 2.0, "loss": 14.0, "a": 6.0, "finite_losses": 2.0}):
         tally = Tally("cpu", torch.zeros(()), sums)
         tally.add(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one, "online_train_top1": 50 * one})
-        assert tally.read(tally.epoch) == {"steps": 3.0, "loss": 21.0, "a": 9.0, "online_train_top1": 50.0}
+        tally.add(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one, "online_train_top1": 100 * one})
+        epoch = tally.read(tally.epoch)
+        assert epoch == {"steps": 4.0, "loss": 28.0, "a": 12.0, "online_train_top1": 300.0}
+        assert window_means(epoch, 4)["online_train_top1"] == 75.0  # the mean of its own two steps, not 37.5
 
 
 def test_a_resumed_run_keeps_the_sizes_it_started_with(tmp_path):

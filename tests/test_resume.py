@@ -246,6 +246,18 @@ def test_a_mid_epoch_resume_with_another_seed_or_dataset_is_refused(small, stopp
         pretrain(small, tmp_path / "resumed", "--resume", tmp_path / "earlier.pth")
 
 
+def test_an_epoch_end_resume_on_data_of_other_classes_starts_the_probe_afresh(small, stopped, tmp_path, capsys):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    ended = load(stopped / "checkpoint_last.pth")
+    ended.update(epoch=1, step=2, step_in_epoch=0)  # epoch 1's end: other data may follow
+    torch.save(ended, out / "checkpoint_last.pth")
+    three = write_imagefolder(tmp_path / "three", num_classes=3, per_class=4, size=20, splits=("",))
+    pretrain(three, out, "--epochs", 2)
+    assert "online probe has 2 classes, this data 3: it starts afresh" in capsys.readouterr().out
+    assert load(out / "checkpoint_last.pth")["online_probe"]["head"]["weight"].shape[0] == 3
+
+
 def test_epochs_below_the_checkpoint_is_an_error_and_equal_is_complete(small, stopped, tmp_path, capsys):
     out = tmp_path / "out"
     os.makedirs(out)

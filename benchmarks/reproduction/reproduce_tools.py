@@ -373,10 +373,11 @@ def methods(given=None):
     print(" ".join(chosen))
 
 
-def figure(dataset, out, methods):
-    """OUT/curves.png (each finished method's kNN and online probe per epoch against its paper number, its loss and
-    schedules: sce.plot) and OUT/time_split.png (each stage's wall time by part), or a line saying why not."""
-    done = [m for m in PAPER if os.path.isfile(os.path.join(out, m, "log.txt"))]
+def figure(dataset, out, chosen):
+    """OUT/curves.png (each finished method of `chosen`, of all without: its kNN and online probe per epoch against
+    its paper number, its loss and schedules: sce.plot) and OUT/time_split.png (each stage's wall time by part), or a
+    line saying why not."""
+    done = [m for m in PAPER if (m in chosen or not chosen) and os.path.isfile(os.path.join(out, m, "log.txt"))]
     try:
         from sce import plot
         plot.plot_runs([os.path.join(out, m) for m in done], os.path.join(out, "curves.png"),

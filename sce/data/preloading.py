@@ -105,7 +105,10 @@ def preload(dataset, budget, required=False, workers=0, max_bad=0, transform=Non
         return cannot(bad)
     _replace_bad(images, bad, dataset, max_bad)
     targets = getattr(dataset, "targets", None)
-    targets = torch.as_tensor(np.asarray(targets), device=device) if targets is not None else None
+    if targets is not None:
+        targets = torch.tensor(np.asarray(targets))  # a copy: the dataset's own stay as read
+        targets[list(bad)] = -1  # a replaced image holds another's pixels: no label (the online probe skips it)
+        targets = targets.to(device)
     images = images.to(device)
     budget.used += need
     print(f"=> preloaded {len(images)} {what} ({'x'.join(map(str, shape))}, {need / 2 ** 20:.0f} MiB) on {device} "

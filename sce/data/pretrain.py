@@ -35,7 +35,8 @@ READ = {"cpu": "pil", "gpu": "tensor", "decode": "encoded"}  # how each loader r
 
 class Batch(list):
     """A step's views (the list every consumer takes) with the images' labels beside (`labels`, (N,) long on the
-    device; -1 for an image without one, or for every image of a dataset without labels)."""
+    device; -1 for an image without one, for every image of a dataset without labels, and for an unreadable image
+    replaced by the next readable one)."""
 
     def __init__(self, views, labels):
         super().__init__(views)
@@ -279,7 +280,10 @@ class LoaderRoute:
                 copied = stream.record_event()
                 ahead = self._fetch(batches, stream)  # the next batch's copy overlaps this step
                 torch.cuda.current_stream(self.device).wait_event(copied)
-            yield Batch(self.views_from(batch), self.labels[batch[1]].to(self.device, non_blocking=True))
+            views, labels = self.views_from(batch), self.labels[batch[1]]
+            if self.bad_seen:  # an unreadable image's place holds the next readable one: no label (the probe skips it)
+                labels[torch.isin(batch[1], torch.tensor(list(self.bad_seen)))] = -1
+            yield Batch(views, labels.to(self.device, non_blocking=True))
             if not stream:
                 ahead = self._fetch(batches, None)
 
