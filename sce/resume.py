@@ -59,7 +59,8 @@ def keep_started_sizes(args):
     started = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json") if path else None
     if not started or not os.path.isfile(started):
         return
-    saved = json.load(open(started))
+    with open(started) as f:
+        saved = json.load(f)
     kept = {key: saved[key] for key in args.dataset_filled if key in saved and saved[key] != getattr(args, key)}
     for key, value in kept.items():
         setattr(args, key, value)

@@ -124,6 +124,19 @@ def test_views_for_any_number_of_workers(photos):
     assert all(torch.equal(x, y) for x, y in zip(next(iter(a)), next(iter(b))))
 
 
+def test_every_route_gives_each_image_its_label(tmp_path):
+    """The labels beside a batch's views (sce.data.Batch, what the online probe learns) are its images' own, in the
+    sampler's order, on every route: the preloaded one's from the device, the loaders' from the indices."""
+    root = write_imagefolder(tmp_path / "data", num_classes=3, per_class=3, size=20, splits=("",))
+    dataset = data.build_dataset("imagefolder", root, "pretrain")
+    order = data.ResumableSampler(len(dataset), 8, seed=3)
+    order.set_epoch(2)
+    want = [dataset.targets[index] for _, index in order][:8]
+    assert len(set(want)) == 3
+    for route in ROUTES:
+        assert next(iter(batches(root, route))).labels.tolist() == want, route
+
+
 # ---------------------------------------------------------------- unreadable images, refused JPEGs
 
 @pytest.mark.parametrize("augment", ["cpu", "gpu"])
