@@ -7,12 +7,14 @@ The first draws the curves of pretraining runs (log.txt, a line per epoch: sce.e
 the loss, the loss terms, the kNN monitor's top-1 and the online linear probe's, lr and EMA momentum; a panel no
 run has data for is left out. The second draws where each run's wall time went (timing.txt: sce.timing), a bar a
 run. matplotlib is not a requirement: it is imported only to draw, and missing it is one line (exit 2). No torch
-here: the figures take a second.
+here: the figures take a second. A figure never replaces a file it reads, nor a run's file it did not write (its PNGs
+carry MARK); a crafted or damaged file is one line, never a traceback.
 """
 import argparse
 import json
 import math
 import os
+import stat
 import sys
 
 from sce import UserError, temporary, timing
@@ -23,6 +25,10 @@ ACCURACIES = {"knn_top1": "kNN top-1", "online_top1": "online linear top-1 (val)
 PANELS = {"loss": "loss", "terms": "loss terms", "accuracy": "top-1 (%)", "schedule": "lr / EMA momentum"}
 STYLES = ["-", "--", ":", "-."]  # a series kind within a panel; the colour is the run
 SIZE, DPI = (10, 6), 100  # 1000 x 600 px: small enough to commit
+MARK = "sce.plot"  # its PNGs' Software text (no version: same runs, same bytes): a figure it may write again
+RUN_FILES = ("log.txt", "timing.txt", "args.json", "checkpoint_last.pth")  # what makes a folder a run's
+LOG_LINE = "an epoch's JSON line (main_pretrain.py's log.txt)"
+TIMING_LINE = "an invocation's JSON line (sce.timing)"
 
 
 class NoMatplotlib(UserError):
@@ -32,30 +38,68 @@ class NoMatplotlib(UserError):
 # ---------------------------------------------------------------- reading the runs (no matplotlib)
 
 
+def read_text(path):
+    """The text of a file sce.plot reads, or one line why not: a FIFO, a device or a folder is refused, never waited
+    on (opened without blocking), and so is a file that is not UTF-8."""
+    try:
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UserError(f"cannot read {path}: not a regular file (a FIFO, a device, a socket)")
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"cannot read {path}: line {line} is not UTF-8 text") from None
+
+
+def json_lines(path, what):
+    """(line number, JSON value) of each non-blank line of `path`; a line that is not JSON (a number of more digits
+    than Python reads, nesting past its recursion limit) is one line naming it and `what` it should be."""
+    rows = []
+    for number, line in enumerate(read_text(path).splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((number, json.loads(line)))
+            except (ValueError, RecursionError):
+                raise UserError(f"line {number} of {path} is not {what}") from None
+    return rows
+
+
 def read_log(run_dir):
     """The epochs of RUN_DIR/log.txt as dicts, in epoch order (an epoch written twice: its last line)."""
     path = os.path.join(run_dir, "log.txt")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise UserError(f"{run_dir} has no log.txt: sce.plot needs a pretraining run's output folder "
                         "(main_pretrain.py --output-dir), which has a line per finished epoch")
     epochs = {}
-    for number, line in enumerate(open(path).read().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            epochs[int(row["epoch"])] = row
-        except (ValueError, TypeError, KeyError):
-            raise UserError(f"line {number} of {path} is not an epoch's JSON line (main_pretrain.py's log.txt)"
-                            ) from None
+    for number, row in json_lines(path, LOG_LINE):
+        epoch = row.get("epoch") if isinstance(row, dict) else None
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= 10**9:
+            raise UserError(f"line {number} of {path} is not {LOG_LINE}: no epoch's number")
+        epochs[epoch] = row
     if not epochs:
         raise UserError(f"{path} is empty: sce.plot needs at least one finished epoch's line")
     return [epochs[e] for e in sorted(epochs)]
 
 
+def finite(value):
+    """`value` as a float where it is a finite number (not a bool, nor an integer past a float's range), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # 400 digits
+        return None
+    return value if math.isfinite(value) else None
+
+
 def series(rows, key):
-    """(epochs, values) of `key` over the epochs that have it as a finite number."""
-    points = [(r["epoch"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    """(epochs, values) of `key` over the epochs that have it as a finite number (a diverged loss's NaN left out)."""
+    points = [(r["epoch"], finite(r.get(key))) for r in rows]
+    points = [(e, v) for e, v in points if v is not None]
     return [e for e, _ in points], [v for _, v in points]
 
 
@@ -84,11 +128,22 @@ def timing_folder(path):
 
 def time_split(folder):
     """{part: seconds} of a run's invocations, summed (FOLDER/timing.txt: a line an invocation, sce.timing)."""
-    rows = timing.lines(folder) if os.path.isfile(os.path.join(folder, "timing.txt")) else []
+    path = os.path.join(folder, "timing.txt")
+    rows = json_lines(path, TIMING_LINE) if os.path.lexists(path) else []
     if not rows:
         raise UserError(f"{folder} has no timing.txt line: --time-split needs the output folder of a "
                         "main_pretrain.py or main_lincls.py run, which writes one at each epoch's end")
-    return {part: sum(row.get(f"{part}_s", 0.0) for row in rows) for part in timing.PARTS}
+    split = dict.fromkeys(timing.PARTS, 0.0)
+    for number, row in rows:
+        if not isinstance(row, dict):
+            raise UserError(f"line {number} of {path} is not {TIMING_LINE}")
+        for part in timing.PARTS:
+            seconds = finite(row.get(f"{part}_s", 0.0))
+            if seconds is None or seconds < 0:
+                raise UserError(f"line {number} of {path} is not {TIMING_LINE}: its {part}_s is not a number of "
+                                "seconds")
+            split[part] += seconds
+    return split
 
 
 # ---------------------------------------------------------------- drawing
@@ -105,19 +160,67 @@ def pyplot():
     return plt
 
 
-def check_output(out_png):
-    """Before any drawing: the figure's folder exists."""
-    folder = os.path.dirname(os.path.abspath(out_png))
+def check_output(out_png, reads=(), run_dirs=()):
+    """Before any drawing, the path the figure is written at (out_png's real path: a link's target, whose folder must
+    exist): none of the files read (`reads`); where a file is there already, a regular file, and inside a run's
+    folder (one of `run_dirs` at any depth, or a folder with a run's files) only a figure sce.plot wrote (MARK)."""
+    target = os.path.realpath(out_png)
+    folder = os.path.dirname(target)
     if not os.path.isdir(folder):
         raise UserError(f"cannot write {out_png}: no folder {folder}")
-
-
-def save(fig, out_png):
-    """The figure as a PNG, through a temporary file (a kill never leaves half a figure)."""
-    tmp = temporary(out_png)
+    if any(target == os.path.realpath(path) for path in reads):
+        raise UserError(f"cannot write {out_png}: it is {target}, a file the figure is drawn from; give the "
+                        "figure another name (-o)")
     try:
-        fig.savefig(tmp, format="png", dpi=DPI, metadata={"Software": None})  # no version: same runs, same bytes
-        os.replace(tmp, out_png)
+        if not os.path.lexists(target):
+            return target
+        if not stat.S_ISREG(os.stat(target).st_mode):
+            raise UserError(f"cannot write {out_png}: it is not a regular file (a folder, a FIFO, a device); give "
+                            "the figure a file's name (-o)")
+    except OSError as e:  # a loop of links
+        raise UserError(f"cannot write {out_png}: {e.strerror}") from None
+    run = run_folder(target, run_dirs)
+    if run is not None and not marked(target):
+        raise UserError(f"cannot write {out_png}: it is a file of the run folder {run} that sce.plot did not write; "
+                        "give the figure another name (-o)")
+    return target
+
+
+def run_folder(path, run_dirs):
+    """The run folder `path` lies in: one of `run_dirs` (at any depth), or its own folder where that holds a run's
+    files (RUN_FILES); None if neither."""
+    for run_dir in run_dirs:
+        real = os.path.realpath(run_dir)
+        if os.path.commonpath([real, path]) == real:
+            return run_dir
+    folder = os.path.dirname(path)
+    return folder if any(os.path.lexists(os.path.join(folder, name)) for name in RUN_FILES) else None
+
+
+def marked(path):
+    """Whether `path` is a PNG sce.plot wrote: a Software text chunk saying MARK before the image data."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    text = b"Software\0" + MARK.encode()
+    chunk = len(text).to_bytes(4, "big") + b"tEXt" + text  # the chunk's length, its type, its text
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and chunk in head.split(b"IDAT", 1)[0]
+
+
+def literal(text):
+    """`text` drawn as written: a `$` is not mathtext's (a folder named `a$^$b` is no formula to parse)."""
+    return text.replace("$", r"\$")
+
+
+def save(fig, target, out_png):
+    """The figure as a PNG at `target` (check_output's), through a temporary file (a kill never leaves half a
+    figure)."""
+    tmp = temporary(target)
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI, metadata={"Software": MARK})
+        os.replace(tmp, target)
     except OSError as e:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -128,12 +231,23 @@ def plot_runs(run_dirs, out_png, labels=None, paper=None, title=None):
     """One figure of the runs' curves (read_log, curves) into out_png; `paper`: a reference line on the accuracy
     panel (a number), or one a run in its colour (a list, None where a run has none). Returns the panels drawn."""
     names = run_labels(run_dirs, labels)
-    check_output(out_png)
+    target = check_output(out_png, [os.path.join(d, "log.txt") for d in run_dirs], run_dirs)
     runs = [curves(read_log(d)) for d in run_dirs]
     panels = [p for p in PANELS if any(p in run for run in runs)]
     if not panels:
         raise UserError(f"nothing to draw: no epoch of {', '.join(map(str, run_dirs))} has a loss, a top-1 or an lr")
     plt = pyplot()
+    with plt.rc_context({"text.usetex": False}):  # names drawn as written (LaTeX would read `_`, `%`)
+        fig = draw_runs(plt, panels, runs, names, paper, title)
+        try:
+            save(fig, target, out_png)
+        finally:
+            plt.close(fig)
+    return panels
+
+
+def draw_runs(plt, panels, runs, names, paper, title):
+    """plot_runs's figure: a panel each of `panels`, a colour a run."""
     rows, cols = (len(panels) + 1) // 2, min(len(panels), 2)
     fig, axes = plt.subplots(rows, cols, figsize=SIZE, squeeze=False)
     for ax in axes.flat[len(panels):]:
@@ -142,19 +256,17 @@ def plot_runs(run_dirs, out_png, labels=None, paper=None, title=None):
         draw_panel(ax, panel, runs)
         if panel == "accuracy" and paper is not None:
             lines = [(paper, "gray")] if not isinstance(paper, (list, tuple)) else [
-                (value, f"C{i % 10}") for i, value in enumerate(paper) if value is not None]
+                (value, f"C{i % 10}") for i, value in enumerate(paper) if finite(value) is not None]
             for value, color in lines:
                 ax.axhline(value, color=color, linewidth=1, linestyle="--")
                 ax.annotate(f"paper {value:g}", (0, value), xycoords=("axes fraction", "data"), xytext=(2, 2),
                             textcoords="offset points", va="bottom", fontsize=8, color=color)
     handles = [plt.Line2D([], [], color=f"C{i % 10}") for i in range(len(names))]
-    fig.legend(handles, names, loc="upper right", fontsize=8, ncol=min(len(names), 4))
+    fig.legend(handles, [literal(name) for name in names], loc="upper right", fontsize=8, ncol=min(len(names), 4))
     if title:
-        fig.suptitle(title, x=0.02, ha="left")
+        fig.suptitle(literal(title), x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97), h_pad=0.5)
-    save(fig, out_png)
-    plt.close(fig)
-    return panels
+    return fig
 
 
 def draw_panel(ax, panel, runs):
@@ -181,17 +293,28 @@ def draw_panel(ax, panel, runs):
         ax.legend(styles, [ACCURACIES.get(k, k) for k in keys], fontsize=7, loc="best")
 
 
-def plot_time_split(rows, out_png, title=None):
+def plot_time_split(rows, out_png, title=None, reads=(), run_dirs=()):
     """A horizontal bar a stage, stacked by the parts of its wall time: `rows` are {"stage": name, part: seconds}
-    (sce.timing.PARTS first, then any other part; "wall", the sum, is not a part)."""
+    (sce.timing.PARTS first, then any other part; "wall", the sum, is not a part), read from the files `reads` of the
+    folders `run_dirs` (check_output)."""
     if not rows:
         raise UserError("no stage to draw a time split of")
-    check_output(out_png)
+    target = check_output(out_png, reads, run_dirs)
     parts = list(timing.PARTS) + [k for row in rows for k in row if k not in ("stage", "wall", *timing.PARTS)]
     parts = [p for p in dict.fromkeys(parts) if any(row.get(p, 0) > 0 for row in rows)]
     plt = pyplot()
+    with plt.rc_context({"text.usetex": False}):  # names drawn as written (LaTeX would read `_`, `%`)
+        fig = draw_time_split(plt, rows, parts, title)
+        try:
+            save(fig, target, out_png)
+        finally:
+            plt.close(fig)
+
+
+def draw_time_split(plt, rows, parts, title):
+    """plot_time_split's figure: a bar a row, a colour a part."""
     fig, ax = plt.subplots(figsize=(SIZE[0], 1.2 + 0.45 * len(rows)))
-    names = [str(row["stage"]) for row in rows][::-1]  # the first row on top
+    names = [literal(str(row["stage"])) for row in rows][::-1]  # the first row on top
     left = [0.0] * len(rows)
     for i, part in enumerate(parts):
         widths = [float(row.get(part, 0.0)) for row in rows][::-1]
@@ -204,13 +327,20 @@ def plot_time_split(rows, out_png, title=None):
     ax.set_xlim(0, max(left) * 1.12 or 1)
     ax.legend(fontsize=7, ncol=min(len(parts), 7), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     if title:
-        ax.set_title(title, fontsize=10, pad=22)
+        ax.set_title(literal(title), fontsize=10, pad=22)
     fig.tight_layout()
-    save(fig, out_png)
-    plt.close(fig)
+    return fig
 
 
 # ---------------------------------------------------------------- command line
+
+
+def finite_number(text):
+    """--paper's number (inf or nan would draw no line, without a word)."""
+    value = finite(float(text))  # not a number: argparse's own line
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
 
 
 parser = argparse.ArgumentParser(prog="python -m sce.plot", description=__doc__,
@@ -219,7 +349,7 @@ parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output folde
                     "timing.txt)")
 parser.add_argument("-o", "--output", required=True, metavar="PNG", help="the figure's file")
 parser.add_argument("--labels", nargs="+", help="a legend label a run (default: each folder's name)")
-parser.add_argument("--paper", type=float, metavar="TOP1", help="a reference line on the accuracy panel")
+parser.add_argument("--paper", type=finite_number, metavar="TOP1", help="a reference line on the accuracy panel")
 parser.add_argument("--title", help="the figure's title")
 parser.add_argument("--time-split", action="store_true", help="each run's wall time split (timing.txt) as a bar")
 
@@ -229,7 +359,7 @@ def main(argv=None):
     if args.time_split:
         folders = [timing_folder(p) for p in args.run_dirs]
         rows = [dict(stage=name, **time_split(d)) for name, d in zip(run_labels(folders, args.labels), folders)]
-        plot_time_split(rows, args.output, args.title)
+        plot_time_split(rows, args.output, args.title, [os.path.join(d, "timing.txt") for d in folders], folders)
         print(f"=> {args.output}: the time split of {len(rows)} run(s)")
     else:
         panels = plot_runs(args.run_dirs, args.output, args.labels, args.paper, args.title)

@@ -2,6 +2,7 @@
 installed: it is not in requirements.txt) and its one-line errors, matplotlib missing among them."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -96,6 +97,9 @@ def test_one_line_errors(runs, tmp_path, capsys, monkeypatch):
     assert f"nothing to draw: no epoch of {tmp_path} has a loss" in errors(capsys, tmp_path, "-o", out)[1]
     assert "--labels has 1 label(s) for 2 run folder(s)" in errors(capsys, real, real, "--labels", "a", "-o", out)[1]
     assert "no folder" in errors(capsys, real, "-o", tmp_path / "missing" / "fig.png")[1]
+    with pytest.raises(SystemExit) as stop:  # a line at inf or nan would not be drawn, without a word
+        plot.run([str(real), "-o", str(out), "--paper", "inf"])
+    assert stop.value.code == 2 and "--paper: inf is not a finite number" in capsys.readouterr().err
     assert f"{tmp_path} has no timing.txt line" in errors(capsys, "--time-split", tmp_path, "-o", out)[1]
     # matplotlib missing: one line naming the install, exit 2, nothing written
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -114,3 +118,127 @@ def test_the_command_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr.startswith(f"error: {tmp_path} has no log.txt") and not proc.stdout
     probe = "import sys, sce.plot; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", probe], cwd=REPO, timeout=60).returncode == 0
+
+
+def a_run(folder, log='{"epoch": 1, "loss": 2.0}\n', timing='{"startup_s": 1.0, "steps_s": 2.0}\n'):
+    """A tiny run folder: log.txt and timing.txt (bytes or text), checkpoint_last.pth and a user's notes."""
+    os.makedirs(folder, exist_ok=True)
+    for name, content in [("log.txt", log), ("timing.txt", timing), ("checkpoint_last.pth", b"PK\x03\x04"),
+                          ("notes.png", b"a user's own file")]:
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return folder
+
+
+@pytest.mark.parametrize("name, split, said", [
+    ("log.txt", False, "a file the figure is drawn from"),
+    ("timing.txt", True, "a file the figure is drawn from"),
+    ("link.png", False, "a file the figure is drawn from"),  # a link to log.txt, beside the run
+    ("checkpoint_last.pth", False, "a file of the run folder"),
+    ("notes.png", True, "a file of the run folder"),
+    ("other/args.json", False, "a file of the run folder"),  # a run's folder not given: its files are its
+    ("fifo.png", False, "not a regular file"),  # never opened: no reader waited for
+    (".", False, "not a regular file")])
+def test_a_figure_never_replaces_what_it_reads_nor_a_runs_file(tmp_path, capsys, name, split, said):
+    run = a_run(tmp_path / "run")
+    a_run(tmp_path / "other")
+    (tmp_path / "other" / "args.json").write_text("{}")
+    os.symlink(run / "log.txt", tmp_path / "link.png")
+    os.mkfifo(tmp_path / "fifo.png")
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()}
+    out = tmp_path / name if "/" in name or name in ("link.png", "fifo.png", ".") else run / name
+    code, err = errors(capsys, *(["--time-split"] if split else []), run, "-o", out)
+    assert code == 1 and err.startswith(f"error: cannot write {out}: ") and said in err
+    assert files == {p: p.read_bytes() for p in files}  # nothing replaced, no temporary file left
+    assert sorted(tmp_path.rglob("*")) == sorted([*files, tmp_path / "link.png", tmp_path / "fifo.png", run,
+                                                  tmp_path / "other"])
+
+
+def test_a_figure_it_wrote_is_written_again(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = a_run(tmp_path / "run")
+    out = run / "curves.png"
+    for _ in range(2):  # its own figure, in a run folder: replaced
+        plot.run([str(run), "-o", str(out)])
+        assert plot.marked(out) and Image.open(out).info["Software"] == plot.MARK
+    Image.new("RGB", (4, 4)).save(run / "other.png")  # a PNG sce.plot did not write
+    assert "a file of the run folder" in errors(capsys, run, "-o", run / "other.png")[1]
+    # outside runs' folders a figure's name is the user's to reuse; a link is followed, and stays a link
+    Image.new("RGB", (4, 4)).save(tmp_path / "old.png")
+    os.symlink(tmp_path / "old.png", tmp_path / "fig.png")
+    plot.run(["--time-split", str(run), "-o", str(tmp_path / "fig.png")])
+    assert os.path.islink(tmp_path / "fig.png") and plot.marked(tmp_path / "old.png")
+    assert not plot.marked(run / "other.png") and not plot.marked(run / "log.txt")
+
+
+BIG = "9" * 400
+BAD_LOGS = [  # (log.txt's bytes, what the line says)
+    ('{"epoch": Infinity, "loss": 1.0}\n', "line 1 of {log} is not an epoch's JSON line"),
+    ('{"epoch": NaN, "loss": 1.0}\n', "line 1 of {log} is not an epoch's JSON line"),
+    (f'{{"epoch": {BIG}, "loss": 1.0}}\n', "line 1 of {log} is not an epoch's JSON line"),
+    (f'{{"epoch": {"9" * 5000}, "loss": 1.0}}\n', "line 1 of {log} is not an epoch's JSON line"),
+    ('{"epoch": true, "loss": 1.0}\n', "line 1 of {log} is not an epoch's JSON line"),
+    ('{"epoch": 1, "loss": 1.0}\n' + "[" * 100_000 + "\n", "line 2 of {log} is not an epoch's JSON line"),
+    (b'{"epoch": 1, "loss": 1.0}\n\xff\xfe\n', "cannot read {log}: line 2 is not UTF-8 text"),
+    (f'{{"epoch": 1, "loss": {BIG}, "lr": Infinity, "knn_top1": NaN}}\n', "nothing to draw"),  # no number to draw
+]
+BAD_TIMINGS = [  # (timing.txt's bytes, what the line says)
+    ("not json\n", "line 1 of {timing} is not an invocation's JSON line (sce.timing)"),
+    ("[1]\n", "line 1 of {timing} is not an invocation's JSON line (sce.timing)"),
+    ('{"steps_s": "x"}\n', "its steps_s is not a number of seconds"),
+    ('{"steps_s": Infinity}\n', "its steps_s is not a number of seconds"),
+    (f'{{"startup_s": {BIG}}}\n', "its startup_s is not a number of seconds"),
+    ('{"exit_s": -1}\n', "its exit_s is not a number of seconds"),
+    ("[" * 100_000 + "\n", "line 1 of {timing} is not an invocation's JSON line"),
+    (b"\xff\n", "cannot read {timing}: line 1 is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("log, timing, said", [(log, "", said) for log, said in BAD_LOGS] +
+                         [("", timing, said) for timing, said in BAD_TIMINGS],
+                         ids=[f"log{i}" for i in range(len(BAD_LOGS))] +
+                         [f"timing{i}" for i in range(len(BAD_TIMINGS))])
+def test_a_damaged_or_crafted_file_is_one_line(tmp_path, capsys, log, timing, said):
+    run = a_run(tmp_path, log=log or '{"epoch": 1, "loss": 2.0}\n', timing=timing)
+    code, err = errors(capsys, *(["--time-split"] if timing else []), run, "-o", tmp_path / "fig.png")
+    assert code == 1 and said.format(log=run / "log.txt", timing=run / "timing.txt") in err
+
+
+@pytest.mark.parametrize("name", ["log.txt", "timing.txt"])
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeypatch, name):
+    split = ["--time-split"] if name == "timing.txt" else []
+    os.remove(a_run(tmp_path) / name)
+    os.mkdir(tmp_path / name)  # a folder named like the file
+    assert errors(capsys, *split, tmp_path, "-o", tmp_path / "f.png")[1] == (
+        f"error: cannot read {tmp_path / name}: Is a directory\n")
+    os.rmdir(tmp_path / name)
+    os.mkfifo(tmp_path / name)  # a FIFO: refused, not waited on (a writer never comes)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("sce.plot waited on a FIFO"))
+    signal.alarm(10)
+    try:
+        assert "not a regular file" in errors(capsys, *split, tmp_path, "-o", tmp_path / "f.png")[1]
+    finally:
+        signal.alarm(0)
+    os.remove(tmp_path / name)
+    (tmp_path / name).write_text('{"epoch": 1, "loss": 2.0}\n')
+    opened = open
+
+    def denied(path, *args, **kwargs):  # as chmod 000 for a user who is not root
+        if str(path).endswith(name):
+            raise PermissionError(13, "Permission denied", str(path))
+        return opened(path, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", denied)
+    assert errors(capsys, *split, tmp_path, "-o", tmp_path / "f.png")[1] == (
+        f"error: cannot read {tmp_path / name}: Permission denied\n")
+
+
+@pytest.mark.parametrize("folder, argv", [
+    ("run", ["--title", r"cost $\frac{a$ 50%"]),
+    ("a$^$b_%", []),
+    ("run", ["--labels", "$_$"]),
+    ("x$\\frac$", ["--time-split", "--title", "$x^$"])])
+def test_text_with_dollars_is_drawn_as_written(tmp_path, folder, argv):
+    pytest.importorskip("matplotlib")
+    run = a_run(tmp_path / folder)
+    plot.run([str(run), "-o", str(tmp_path / "fig.png"), *argv])  # mathtext would raise ParseSyntaxException
+    assert Image.open(tmp_path / "fig.png").format == "PNG"
+    assert plot.literal("a $x^$ b") == r"a \$x^\$ b"
