@@ -239,7 +239,8 @@ def test_smoke_run_stopped_and_continued(tmp_path):
         split = row["split"][stage]
         # each part and the wall rounded to 0.1 s in the row: up to 0.05 s off each
         assert sum(split[p] for p in PARTS) == pytest.approx(split["wall"], abs=0.05 * (len(PARTS) + 1)), (stage, split)
-        assert split["wall"] == pytest.approx(measured[f"sce {stage}"], rel=0.05), (stage, split, measured)
+        # within 5%, or 2 s on a loaded machine (the process's start is read from /proc, the script's from outside)
+        assert split["wall"] == pytest.approx(measured[f"sce {stage}"], rel=0.05, abs=2.0), (stage, split, measured)
         assert split["steps"] > 0 and f"| SCE {stage} | {split['wall']:.1f} | " in table
     assert row["split"]["pretrain"]["knn"] > 0 and row["split"]["linear"]["evaluation"] > 0
     # start-up in parts (sce.timing.mark), which add up to it: where a GPU's 13-16 s of start-up a stage go
