@@ -1,6 +1,7 @@
 # What the GPU machine's scripts share (sourced by benchmarks/gpu/*.sh after `cd` to the repository):
 #   PYTHON               the interpreter (python, else python3), output unbuffered
-#   RECIPE               RECIPES.md's CIFAR-10 flags (reproduce_tools.py flags cifar10), the one copy of them
+#   RECIPE               the CIFAR-10 row's flags (python -m sce.recipes cifar10 --flags: sce/recipes.py, their one
+#                        copy; --dataset left out, the data here being an ImageFolder)
 #   unpack_cifar         data/cifar10/{train,val} from data/cifar10-jpeg.tar.gz where missing (carry the archive
 #                        alone, 20 MB; unpacked it is 237 MB); returns 1 when neither is there
 #   limit_s ARG          LIMIT_S checked (whole seconds), in $LIMIT, or exit 2
@@ -12,7 +13,7 @@
 export PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 START=${START:-$SECONDS}
-RECIPE=$("$PYTHON" benchmarks/reproduction/reproduce_tools.py flags cifar10)
+RECIPE=$("$PYTHON" -m sce.recipes cifar10 --flags)
 ROWS=() FAILED=() NOT_RUN=()
 CIFAR=data/cifar10
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The small-and-medium part of the paper's baselines table (Sec. 4.2): SCE, ReSSL and MoCo v2 (the last two the
-# authors' reproductions) on CIFAR-10, CIFAR-100, STL-10 or Tiny-ImageNet, each with RECIPES.md's setting for the
-# dataset: 200 epochs of pretraining (the kNN monitor every 20 epochs and after the last: the table's kNN), then
-# the linear probe (100 epochs, lr 30, x0.1 at 60 and 80); one table beside the paper's numbers, results.json, and
-# two figures: curves.png (each method's kNN and online probe per epoch against its paper number, its loss and
-# schedules) and time_split.png (each stage's wall time by part).
+# authors' reproductions) on CIFAR-10, CIFAR-100, STL-10 or Tiny-ImageNet, each with the paper's setting for the
+# dataset (its row of sce/recipes.py): 200 epochs of pretraining (the kNN monitor every 20 epochs and after the last:
+# the table's kNN), then the linear probe (100 epochs, lr 30, x0.1 at 60 and 80); one table beside the paper's
+# numbers, results.json, and two figures: curves.png (each method's kNN and online probe per epoch against its paper
+# number, its loss and schedules) and time_split.png (each stage's wall time by part).
 #
 #   bash benchmarks/reproduction/reproduce.sh DATASET DATA_DIR [OUT_DIR]    DATASET: cifar10, cifar100, stl10 or tiny-imagenet
 #                                                               (OUT_DIR: runs/reproduce/DATASET)
@@ -42,8 +42,8 @@ fi
 command -v "${PYTHON%% *}" > /dev/null || { echo "error: no Python interpreter '$PYTHON': pass PYTHON=/path/to/python" \
     "(the one requirements.txt was installed into)" >&2; exit 1; }
 
-# RECIPES.md's line for the dataset (its one copy), without the temperatures: PRETRAIN; SCE_TEMPS (supp. Table 10's
-# best); an unknown dataset is one line naming the known ones
+# the dataset's row of sce/recipes.py (its one copy), without SCE's temperatures: PRETRAIN; SCE_TEMPS (supp. Table
+# 10's best); an unknown dataset is one line naming the known ones
 recipe=$($PYTHON benchmarks/reproduction/reproduce_tools.py recipe "$DATASET") || exit 1
 eval "$recipe"
 PRETRAIN="$PRETRAIN --knn-every 20"

@@ -2,10 +2,10 @@
 """The Python steps of benchmarks/reproduction/reproduce.sh:
 
     methods [METHODS]                     the methods of the string METHODS (default: all), checked against PAPER
-    recipe DATASET                        RECIPES.md's line for DATASET as shell variables: PRETRAIN (its flags but
-                                          the run's own and the temperatures), SCE_TEMPS (SCE's, supp. Table 10)
-    flags DATASET                         RECIPES.md's line for DATASET: its flags but the run's own (--data,
-                                          --dataset, --output-dir), for the GPU scripts and the checks
+    recipe DATASET                        sce/recipes.py's row of DATASET as shell variables: PRETRAIN (its flags but
+                                          the run's own and SCE's temperatures), SCE_TEMPS (SCE's, supp. Table 10)
+    flags DATASET                         the row of DATASET as flags but the run's own (--dataset), as
+                                          `python -m sce.recipes DATASET --flags` prints them
     check DATASET DATA_DIR ENV_FILE [SMOKE_DIR]
                                           which layout DATA_DIR holds, read whole; writes FORMAT, ROOT and the
                                           split sizes as shell variables to ENV_FILE. With SMOKE_DIR (SMOKE=1): a
@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__
 sys.path.insert(0, REPO)
 import numpy as np  # noqa: E402
 
-from sce import UserError, alive, layouts, timing  # noqa: E402  (no torch)
+from sce import UserError, alive, layouts, recipes, timing  # noqa: E402  (no torch)
 
 # the paper's baselines table (Sec. 4.2), a row per --method in the table's order: its name there and its linear
 # top-1 on each dataset (SCE's own; ReSSL's and MoCo v2's the authors' reproductions)
@@ -40,9 +40,6 @@ PAPER = {"sce": ("SCE", {"cifar10": 90.34, "cifar100": 65.45, "stl10": 89.94, "t
          "ressl": ("ReSSL", {"cifar10": 90.20, "cifar100": 64.01, "stl10": 89.05, "tiny-imagenet": 49.47}),
          "moco": ("MoCo v2", {"cifar10": 87.56, "cifar100": 61.00, "stl10": 86.53, "tiny-imagenet": 45.93})}
 LINEAR_SPEEDUP = 3.4  # without a kNN rate: the probe's images/s against pretraining's (one H100, 2026-11-27)
-
-
-OWN_FLAGS = ("--data", "--dataset", "--output-dir")  # a run's own, not the recipe's
 
 
 def reproduced(dataset):
@@ -54,36 +51,23 @@ def reproduced(dataset):
 
 
 def recipe_flags(dataset):
-    """RECIPES.md's line for `dataset` (its shell variables expanded), the run's own flags left out: the one copy
-    of each recipe, which reproduce.sh, the GPU scripts and the checks read."""
+    """sce/recipes.py's row of `dataset` as main_pretrain.py flags (SCE's), the run's own (--dataset) left out: the
+    one copy of each recipe, which reproduce.sh, the GPU scripts and the checks read."""
     reproduced(dataset)
-    text = open(os.path.join(REPO, "RECIPES.md")).read()
-    variables = dict(re.findall(r'^(\w+)="(.*)"$', text, re.M))
-    for line in re.findall(r"^python main_pretrain\.py .*$", text, re.M):
-        for name, value in variables.items():
-            line = line.replace(f"${name}", value)
-        argv = shlex.split(line)[2:]
-        if argv[argv.index("--dataset") + 1 if "--dataset" in argv else 0] == dataset:
-            flags = []
-            for i, word in enumerate(argv):  # each of OWN_FLAGS takes one value
-                if word not in OWN_FLAGS and (i == 0 or argv[i - 1] not in OWN_FLAGS):
-                    flags.append(word)
-            return flags
-    raise UserError(f"RECIPES.md has no line for {dataset} (python main_pretrain.py ... --dataset {dataset} ...)")
-
-
-def without(flags, names):
-    """flags without each of `names` and the value after it."""
-    return [w for i, w in enumerate(flags) if w not in names and (i == 0 or flags[i - 1] not in names)]
+    if dataset not in recipes.ROWS:
+        raise UserError(f"sce/recipes.py has no row for {dataset}: add it there")
+    return recipes.flags(dataset)
 
 
 def recipe(dataset):
-    """DATASET's recipe as shell variables for reproduce.sh to eval: PRETRAIN, every method's flags (RECIPES.md's
-    line without the temperatures: MoCo v2 and ReSSL take their own), and SCE_TEMPS."""
-    flags = recipe_flags(dataset)
-    temps = [w for i, w in enumerate(flags) if w in ("--tau", "--tau-m") or flags[i - 1] in ("--tau", "--tau-m")]
-    print(f"PRETRAIN={shlex.quote(shlex.join(without(flags, ('--tau', '--tau-m'))))} "
-          f"SCE_TEMPS={shlex.quote(shlex.join(temps))}")
+    """DATASET's row as shell variables for reproduce.sh to eval: PRETRAIN, every method's flags (the row without
+    SCE's own values: MoCo v2 and ReSSL take their records', which are the row's for them, Sec. 4.2), and
+    SCE_TEMPS, SCE's (supp. Table 10's temperatures)."""
+    recipe_flags(dataset)
+    row = recipes.ROWS[dataset]
+    common = recipes.as_flags({k: v for k, (v, _) in row.values.items() if k not in recipes.OWN})
+    sce = recipes.as_flags({k: v for k, (v, _) in row.methods["sce"].items()})
+    print(f"PRETRAIN={shlex.quote(shlex.join(common))} SCE_TEMPS={shlex.quote(shlex.join(sce))}")
 
 
 def layout(dataset, data):
