@@ -16,30 +16,28 @@ import random
 import numpy as np
 import torch
 
-from sce import UserError, cli, compiling, cuda_graph, data, entry, events, knn, losses, outdir, timing
+from sce import UserError, cli, compiling, cuda_graph, data, entry, events, knn, losses, outdir, recipes, settings
+from sce import timing
 from sce import distributed as du
 from sce.builder import ARCHS, build_model
 from sce.checkpoint import Writer
 from sce.epoch import Run, end_epoch, epochs_logged, finish, knn_due, log_epoch, train_one_epoch
 from sce.optim import build_optimizer
 from sce.preemption import Interrupted, Preemption
-from sce.resume import check_ranks_agree, keep_started_sizes, resume
+from sce.resume import check_ranks_agree, resume
 from sce.step import OnlineProbe, Schedules, Training, build_step
-
-# `python main_pretrain.py` with no --data: the embedded demo (digits placed at random in 16 px canvases, under 3
-# minutes on 2 cores). Tuned for them: milder crops and the less blurry strong-beta view (Table 2's blur sigmas
-# are meant for 224 px), small batches for more steps, one loader process (16 px images cost it little).
-DEMO = dict(arch="resnet18", small_input=True, crop_size=16, epochs=3, batch_size=32,
-            lr=0.25, weight_decay=5e-4, warmup_epochs=1, ema_momentum=0.99, ema_schedule="constant",
-            proj_hidden_dims=[512], proj_dim=128, proj_last_bn="none", workers=1, min_scale=0.5,
-            online_aug="strong-beta",
-            output_dir=os.path.join("runs", "demo"), knn_every=0)
-DEMO_QUEUE = 1024  # the demo's queue, for a method with one
-
 
 parser = cli.make_parser(__doc__)
 g = parser.add_argument_group("data")
 g.add_argument("--data", metavar="DIR", help="dataset root; omitted: run the embedded digits demo")
+g.add_argument("--recipe", metavar="NAME",
+               help=f"a setting of the paper, a row of sce/recipes.py ({', '.join(recipes.ROWS)}; RECIPES.md), each "
+                    "value with its source (python -m sce.recipes NAME --sources); flags "
+                    "given still win (default: a fresh run's --dataset's row if it has one, a resumed run's own, "
+                    "the demo's without --data; none: the defaults below)")
+g.add_argument("--print-settings", action="store_true",
+               help="print every setting with the layer it came from (default, method, recipe, the resumed run, "
+                    "this machine's device, flag) and exit")
 cli.add_data_args(g, "auto: on a GPU, a dataset whose decoded images are of one size and fit in a quarter of its "
                   "memory (CIFAR, STL-10, Tiny-ImageNet) is decoded once and kept there, and each batch is cut and "
                   "augmented there (no loader processes); device: always (on a CPU run, in host memory); off: the "
@@ -50,7 +48,8 @@ g.add_argument("--augment", choices=["cpu", "gpu"],
                help="where the photometric augmentations run: in the loader workers (cpu, with PIL), or batched on "
                     "the training device (gpu; the workers only decode and crop) (default: gpu on CUDA, else cpu)")
 g.add_argument("--crop-size", type=int,
-               help="size of the global views in pixels (default: --dataset's native size, 32 for CIFAR; else 224)")
+               help="size of the global views in pixels (default: the recipe's; else --dataset's native size, 32 for "
+                    "CIFAR; else 224)")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(data.AUGMENTATIONS),
                help=f"Table 2 row of online view 1 (default: the method's: {cli.per_method(lambda m: m.views[0])})")
@@ -80,8 +79,10 @@ g.add_argument("--proj-last-bn", choices=["none", "affine", "no-affine"],
 g.add_argument("--pred-hidden-dims", type=int, nargs="*", metavar="DIM",
                help=f"widths of the predictor's hidden layers, e.g. 4096; none: no predictor (default: the method's: "
                     f"{cli.per_method(lambda m: ' '.join(map(str, m.predictor)) or 'none')})")
-g.add_argument("--sync-bn", action="store_true", help="synchronise BN statistics across ranks")
-g.add_argument("--shuffle-bn", action="store_true", help="MoCo shuffle-BN for the momentum branch")
+g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=False,
+               help="synchronise BN statistics across ranks")
+g.add_argument("--shuffle-bn", action=argparse.BooleanOptionalAction, default=False,
+               help="MoCo shuffle-BN for the momentum branch")
 g.add_argument("--bn-splits", type=int, default=8,
                help="--shuffle-bn on one process: BN statistics over this many chunks of the batch, in the layers "
                     "--split-bn names (the authors' single-GPU small-dataset runs: 8)")
@@ -123,7 +124,8 @@ cli.add_runtime_args(g, os.path.join("runs", "sce"), "args.json, log.txt, checkp
                      "seed of the weights, the data order and every view",
                      "the encoders, the heads and the views (checkpoints stay interchangeable with eager runs)",
                      "a finished run is said to be so", torchrun=True)
-g.add_argument("--channels-last", action="store_true", help="channels-last memory format")
+g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False,
+               help="channels-last memory format")
 g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
                help=f"replay the training step from a CUDA graph after {cuda_graph.GRAPH_WARMUP} eager steps: one "
                     "launch instead of hundreds, for small models on small images (default: on for one GPU process "
@@ -155,33 +157,11 @@ g.add_argument("--knn-max-train", type=int, metavar="N",
 cli.add_knn_args(g)
 
 
-def parse_args(argv=None):
-    """The flags, the demo's defaults without --data, the method's defaults where a flag is not given."""
-    args = parser.parse_args(argv)
-    if args.data is None:  # embedded demo: its own defaults, flags given still win
-        defaults = {key: parser.get_default(key) for key in DEMO}
-        parser.set_defaults(**DEMO)
-        try:
-            args = parser.parse_args(argv)
-        finally:
-            parser.set_defaults(**defaults)  # a later parse in this process gets the usual defaults
-        args.demo = True
-        args.data = data.digits_imagefolder(os.path.join(os.path.expanduser("~"), ".cache", "sce", "digits-placed"))
-        args.knn_data = args.knn_data or args.data
-    else:
-        args.demo = False
-    method = losses.METHODS[args.method]
-    # what a flag left unset takes: the method's record (its loss and the model's shape), then the dataset's row
-    for key, value in dict(tau=method.tau, tau_m=method.tau_m, online_aug=method.views[0],
-                           target_aug=method.views[1], proj_hidden_dims=list(method.projector[0]),
-                           proj_dim=method.projector[1], proj_last_bn=method.projector[2],
-                           pred_hidden_dims=list(method.predictor), symmetric=method.symmetric,
-                           queue_size=(DEMO_QUEUE if args.demo else cli.QUEUE_SIZE) if method.queue else 0).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.dataset_note = cli.dataset_defaults(args)
-    args.loss = losses.loss_name(args)
-    return args
+def parse_args(argv=None, device=None, world_size=1):
+    """This run's settings, resolved once in layers (sce.settings): the method's record, the recipe's row (the
+    demo's without --data), the resumed run's, this machine's `device` (None: left unresolved), the flags given."""
+    return settings.resolve(parser, argv, device, world_size, demo_data=lambda: data.digits_imagefolder(
+        os.path.join(os.path.expanduser("~"), ".cache", "sce", "digits-placed")), resolve_device=device_values)
 
 
 def check_args(args, world_size=1, device=torch.device("cpu")):
@@ -190,26 +170,27 @@ def check_args(args, world_size=1, device=torch.device("cpu")):
     return cli.check_pretrain(args, world_size, device, data.MIN_BLUR_SIZE)
 
 
-def resolve_device_defaults(args, device, world_size):
-    """The defaults that depend on the device, resolved so that args.json and the checkpoints record them: on a
-    GPU the augmentations run there, JPEGs are decoded there, the model is compiled and, on one GPU process
-    without fp16's GradScaler, the step is a CUDA graph."""
-    args.augment = args.augment or ("gpu" if device.type == "cuda" or args.preload == "device" else "cpu")
-    args.decode = data.resolve_decode(args.decode, device) if args.augment == "gpu" else "loader"
-    args.compile = compiling.resolve_compile(args.compile, device)
-    args.cuda_graph = cuda_graph.usable(args.cuda_graph, device, world_size, args.amp, "the step")
+def device_values(args, device, world_size):
+    """The settings this machine decides where no flag does, resolved so that args.json and the checkpoints record
+    them: on a GPU the augmentations run there, JPEGs are decoded there, the model is compiled and, on one GPU process
+    without fp16's GradScaler, the step is a CUDA graph; loader processes at most its cores."""
+    augment = args.augment or ("gpu" if device.type == "cuda" or args.preload == "device" else "cpu")
+    return dict(augment=augment, decode=data.resolve_decode(args.decode, device) if augment == "gpu" else "loader",
+                compile=compiling.resolve_compile(args.compile, device), workers=cli.cap_processes(args.workers),
+                cuda_graph=cuda_graph.usable(args.cuda_graph, device, world_size, args.amp, "the step"))
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    keep_started_sizes(args)
-    rank, world_size, _, device = du.init(timeout_s=args.dist_timeout)
-    resolve_device_defaults(args, device, world_size)
+    rank, world_size, _, device = du.init(timeout_s=parser.parse_args(argv).dist_timeout)
+    args = parse_args(argv, device, world_size)
+    if args.print_settings:
+        if rank == 0:
+            print(settings.show(parser, args), flush=True)
+        return
     bn_splits = check_args(args, world_size, device)
     data.data_folder(args.data)
     if args.knn_data:
         data.data_folder(args.knn_data, "--knn-data")
-    args.split_bn = args.split_bn if bn_splits > 1 else None  # recorded as the run applies it: None, no split BN
     if world_size > 1:
         check_ranks_agree(args)
     lock = None
@@ -277,7 +258,7 @@ def pretrain(args, rank, world_size, device, bn_splits):
     if rank == 0:
         described = (f"CUDA graph after {cuda_graph.GRAPH_WARMUP} steps" if args.cuda_graph
                      else "compiled" if args.compile else "eager")
-        print("".join(f"=> {line}\n" for line in [args.dataset_note] if line) +
+        print("".join(f"=> {line}\n" for line in args.notes) +
               f"=> {args.method} on {len(dataset)} images, {sampler.steps} steps/epoch, batch {args.batch_size} "
               f"on {world_size} rank(s), lr {schedules.base_lr:.4g}\n=> data: {batches.describe()}; step: "
               f"{described}; amp {args.amp}", flush=True)

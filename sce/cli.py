@@ -155,24 +155,6 @@ def add_method_flags(parser):
                 added.add(flag)
 
 
-def dataset_defaults(args):
-    """--crop-size and --small-input from --dataset's native size (its row of sce.layouts.DATASETS) where not given
-    (224 and off without one); the line main_pretrain.py says of them when the row has a size (else None)."""
-    native = getattr(layouts.DATASETS.get(args.dataset), "native_size", None)
-    wanted = {"crop_size": native or 224, "small_input": bool(native and native <= 96)}
-    shown = {"crop_size": lambda v: f"--crop-size {v}", "small_input": lambda v: f"--{'' if v else 'no-'}small-input"}
-    given = [shown[k](getattr(args, k)) for k, v in wanted.items() if getattr(args, k) not in (None, v)]
-    args.dataset_filled = [key for key in wanted if getattr(args, key) is None]  # a resume keeps its own (resume)
-    for key, value in wanted.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if not native:
-        return None
-    return (f"--dataset {args.dataset}, {native} px: {shown['crop_size'](args.crop_size)} "
-            f"{shown['small_input'](args.small_input)}" + (f" (given, against its size: {', '.join(given)})"
-                                                            if given else " (its native size)"))
-
-
 def refuse(rules, args):
     """The first of `rules`, (when(args), the line(args)) pairs, that holds, as one line."""
     for when, line in rules:
@@ -211,7 +193,7 @@ def crop_scales(args):
 def check_pretrain(args, world_size, device, min_crop):
     """main_pretrain.py's settings checked before anything is built: one line for the first impossible one (sizes
     that cannot fit the device's memory included; crops under `min_crop` px, which the blur cannot reflect);
-    --workers above the cores capped to them. Returns the BN splits."""
+    Returns the BN splits."""
     check_finite(args)
     check_ranges({"--batch-size": args.batch_size, "--epochs": args.epochs, "--print-freq": args.print_freq,
                   "--save-freq": args.save_freq, "--proj-dim": args.proj_dim, "--knn-k": args.knn_k,
@@ -227,7 +209,6 @@ def check_pretrain(args, world_size, device, min_crop):
                  {"--lambda": args.lambda_, "--lambda-end": args.lambda_end, "--sgd-momentum": args.sgd_momentum,
                   "--lambda-warmup-start": args.lambda_warmup_start, "--ema-momentum": args.ema_momentum})
     check_seed(args.seed)
-    args.workers = cap_processes(args.workers)
     refuse(PRETRAIN_RULES, args)
     check_method_flags(args)
     smallest = min([args.crop_size] + args.local_crop_sizes)

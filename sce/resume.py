@@ -51,24 +51,6 @@ def check_ranks_agree(args):
                             "start every node with the same command and an --output-dir they all share")
 
 
-def keep_started_sizes(args):
-    """A resumed run keeps the --crop-size and --small-input it started with where this invocation took them from
-    --dataset's row (args.dataset_filled; runs of before 2026-11-28 took 224 and off whatever the dataset), read from
-    the args.json beside the checkpoint; the line main_pretrain.py says becomes so."""
-    path = find_resume(args) if args.dataset_filled else None
-    started = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json") if path else None
-    if not started or not os.path.isfile(started):
-        return
-    with open(started) as f:
-        saved = json.load(f)
-    kept = {key: saved[key] for key in args.dataset_filled if key in saved and saved[key] != getattr(args, key)}
-    for key, value in kept.items():
-        setattr(args, key, value)
-    if kept:
-        args.dataset_note = "resuming with the sizes the run started with: " + ", ".join(
-            f"--{k.replace('_', '-')} {as_typed(v)}" for k, v in kept.items())
-
-
 def run_state(model, optimizer, scaler, args, *, epoch, step_in_epoch, global_step, data=None, epoch_stats=None,
               epoch_sums=None, probe=None):
     """Everything a run needs to continue exactly: weights, queue, optimizer, scaler, RNGs, data position

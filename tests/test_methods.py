@@ -155,16 +155,16 @@ def test_the_probe_keeps_the_runs_random_numbers_and_its_own_settings_on_resume(
 
 
 def test_a_resumed_run_keeps_the_sizes_it_started_with(tmp_path):
-    """--crop-size / --small-input taken from --dataset's row give way, on a resume, to what args.json says the run
-    started with (an earlier version took 224 and no small stem for any dataset); a flag given still wins."""
+    """A run older than the settings' sources map (its args.json flat values only) resumed with --dataset cifar10
+    keeps what it started with (an earlier version took 224 and no small stem for any dataset), not the row a fresh
+    run takes; a flag given still wins."""
     (tmp_path / "checkpoint_last.pth").write_bytes(b"")
-    (tmp_path / "args.json").write_text('{"crop_size": 224, "small_input": false}')
+    (tmp_path / "args.json").write_text('{"crop_size": 224, "small_input": false, "lr": 0.5}')
     flags = ["--data", "d", "--dataset", "cifar10", "--output-dir", str(tmp_path)]
     args = main_pretrain.parse_args(flags)
-    main_pretrain.keep_started_sizes(args)
-    assert (args.crop_size, args.small_input) == (224, False) and "started with" in args.dataset_note
+    assert (args.crop_size, args.small_input, args.lr, args.recipe) == (224, False, 0.5, None)
+    assert args.sources["crop_size"] == "run: its args.json" and "resuming" in args.notes[0]
     args = main_pretrain.parse_args(flags + ["--crop-size", "40"])
-    main_pretrain.keep_started_sizes(args)
     assert (args.crop_size, args.small_input) == (40, False)
     with pytest.raises(cli.UserError, match="--online-probe-lr must be positive"):
         main_pretrain.check_args(main_pretrain.parse_args(["--data", "d", "--online-probe-lr", "0"]))

@@ -25,13 +25,13 @@ def data(tmp_path_factory):
 
 def test_methods_and_options_run(data, tmp_path, capsys, monkeypatch):
     # baselines, eq. 10, symmetric multi-crop on device, shuffle-BN, LARS, channels-last, a predictor; the kNN monitor
-    # (every BN split, --split-bn all: a run that splits BN resumes only with the same --split-bn)
+    # (every BN split, --split-bn all: a resumed run keeps it, another one typed is refused)
     flags = ["--method", "ressl", "--symmetric", "--local-crop-sizes", 8, "--local-crop-scales", 0.1, 0.5,
              "--augment", "gpu", "--shuffle-bn", "--bn-splits", 2, "--optimizer", "lars", "--channels-last",
              "--pred-hidden-dims", 32, "--queue-size", 48]
     pretrain(data, tmp_path / "r", *flags, "--split-bn", "all")
     with pytest.raises(UserError, match="was trained with --split-bn all, not momentum: pass the same value"):
-        pretrain(data, tmp_path / "r", *flags, "--epochs", 2)
+        pretrain(data, tmp_path / "r", *flags, "--epochs", 2, "--split-bn", "momentum")
     ckpt = load(tmp_path / "r" / "checkpoint_last.pth")
     assert ckpt["args"]["tau_m"] == 0.04 and ckpt["args"]["target_aug"] == "weak" and ckpt["args"]["split_bn"] == "all"
     assert int(ckpt["model"]["queue_ptr"]) == 32  # symmetric: 2 x 8 keys per step, 2 steps

@@ -311,7 +311,7 @@ def test_smoke_reads_official_files_as_the_scripts_do(tmp_path):
 def test_every_kind_of_dataset_row_is_read_by_the_reproduction(tmp_path, monkeypatch):
     """reproduce_tools' layout takes each kind of row of sce.layouts.DATASETS (an official download, one with
     train/ and val/ folders, a folders row without a download: imagenet100's kind), and its recipe comes from
-    RECIPES.md, the numbers' one copy; a row without a line there is one line."""
+    sce/recipes.py, the numbers' one copy; a dataset without a row there is one line."""
     tools = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
         "reproduce_tools", os.path.join(REPO, "benchmarks", "reproduction", "reproduce_tools.py")))
     tools.__spec__.loader.exec_module(tools)
@@ -320,7 +320,9 @@ def test_every_kind_of_dataset_row_is_read_by_the_reproduction(tmp_path, monkeyp
     assert tools.layout("imagenet100", folders)[:2] == ("imagenet100", folders)
     with pytest.raises(UserError, match="has no train/ and val/ class folders"):
         tools.layout("imagenet100", str(tmp_path))
-    with pytest.raises(UserError, match="RECIPES.md has no line for imagenet100"):
-        tools.recipe_flags("imagenet100")  # its ablation lines run on 8 GPUs with $IN100, not this table's
+    assert tools.recipe_flags("imagenet100")[:2] == ["--arch", "resnet50"]  # its row, sce/recipes.py's
+    monkeypatch.setitem(tools.PAPER["sce"][1], "imagefolder", 0.0)
+    with pytest.raises(UserError, match="sce/recipes.py has no row for imagefolder"):
+        tools.recipe_flags("imagefolder")
     assert tools.layout("tiny-imagenet", write_tiny_imagenet(str(tmp_path / "tiny")))[0] == "tiny-imagenet"
     assert "--tau 0.1 --tau-m 0.04" in " ".join(tools.recipe_flags("stl10"))

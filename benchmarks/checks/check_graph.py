@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""The CUDA-graph steps give the eager steps' numbers (for benchmarks/gpu/check.sh): two copies of RECIPES.md's
-CIFAR-10 model (its line, read by reproduce_tools.py: ResNet-18 small-input, the paper's BN split in 2, batch 256,
+"""The CUDA-graph steps give the eager steps' numbers (for benchmarks/gpu/check.sh): two copies of the CIFAR-10
+model of sce/recipes.py's row (main_pretrain.py --recipe cifar10: ResNet-18 small-input, the paper's BN split in 2, batch 256,
 queue 4096), the same views and lr, 8 steps each, one through train_step, one through sce.step.build_step's CUDA
 graph (captured after its eager steps), with the online probe (main_pretrain.py's default) and its labels; losses,
 the logged terms of eq. 10, the probe's top-1 and the final weights (its head's too) must agree. The lr, the EMA
@@ -24,9 +24,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
 import main_pretrain  # noqa: E402
-from reproduce_tools import recipe_flags  # noqa: E402
 from sce import losses  # noqa: E402
 from sce.builder import build_model, build_trunk  # noqa: E402
 from sce.compiling import Log, compile_module  # noqa: E402
@@ -46,7 +44,7 @@ device = torch.device("cuda")
 torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
-RECIPE = main_pretrain.parse_args(recipe_flags("cifar10") + ["--data", "unused"])
+RECIPE = main_pretrain.parse_args(["--recipe", "cifar10", "--data", "unused"])
 BN_SPLITS = main_pretrain.check_args(RECIPE)
 ORDER = torch.randperm(RECIPE.batch_size, generator=torch.Generator().manual_seed(0)).to(device)
 

@@ -8,7 +8,7 @@ and the device-side sums of each step).
     # the per-image CPU cost
     python benchmarks/speed/bench_pretrain.py --device cpu --workers 0 --skip-train --images 64 --batch-size 16
     python benchmarks/speed/bench_pretrain.py --recipe cifar10 --amp bf16 --channels-last --preload --cuda-graph \
-        --skip-data                                                          # RECIPES.md's CIFAR-10 setting
+        --skip-data                                                          # the paper's CIFAR-10 setting
 
 Beside the step it times two plain torchvision models of the same arch (plain BN, the same batch,
 precision, memory format and compile): `supervised_reference`, a forward + backward + SGD step on a
@@ -64,8 +64,8 @@ parser.add_argument("--shuffle-bn", action="store_true", help="shuffle-BN, with 
 parser.add_argument("--bn-splits", type=int, default=8, help="split BN chunks under --shuffle-bn (default: 8)")
 parser.add_argument("--split-bn", default="momentum", choices=["momentum", "all"],
                     help="which BN layers --bn-splits splits, as main_pretrain.py's (default: momentum)")
-parser.add_argument("--recipe", metavar="DATASET",
-                    help="the model of RECIPES.md's line for DATASET (e.g. cifar10; its arch, stem, crop, batch, "
+parser.add_argument("--recipe", metavar="NAME",
+                    help="the model of sce/recipes.py's row NAME (e.g. cifar10; its arch, stem, crop, batch, "
                          "queue, BN and projector) as the defaults of those flags; flags given still win")
 parser.add_argument("--proj-hidden-dims", type=int, nargs="*", default=[2048, 2048], help="(default: 2048 2048)")
 parser.add_argument("--proj-dim", type=int, default=256, help="(default: 256)")
@@ -103,10 +103,8 @@ parser.add_argument("--online-probe", action="store_true",
 RECIPE_KEYS = ("arch", "small_input", "crop_size", "batch_size", "queue_size", "symmetric", "shuffle_bn", "bn_splits",
                "split_bn", "proj_hidden_dims", "proj_dim", "proj_last_bn")
 args = parser.parse_args()
-if args.recipe:  # read from its one copy (benchmarks/reproduction/reproduce_tools.py), then the flags again
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "reproduction"))
-    from reproduce_tools import recipe_flags
-    line = main_pretrain.parse_args(recipe_flags(args.recipe) + ["--data", "unread"])
+if args.recipe:  # main_pretrain.py's settings of the row (sce/recipes.py), then the flags again
+    line = main_pretrain.parse_args(["--recipe", args.recipe, "--data", "unread"])
     parser.set_defaults(**{key: getattr(line, key) for key in RECIPE_KEYS})
     args = parser.parse_args()
 device = torch.device(args.device)
