@@ -102,7 +102,7 @@ def sota(epochs, lr, wd, ema, **values):
 
 
 LINEAR_SOTA = {"schedule": ("cosine", LINEAR_COSINE), "epochs": (90, LINEAR_COSINE),
-               "batch_size": (1024, LINEAR_COSINE), "lr": (0.1, LINEAR_COSINE + ": linearly scaled"),
+               "batch_size": (1024, LINEAR_COSINE), "lr": (0.4, LINEAR_COSINE + ": 0.1 linearly scaled, x 1024 / 256"),
                "sgd_momentum": (0.9, LINEAR_COSINE)}
 FIVE_COEFFS = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.5, 0.5, 0.5], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]
 TEMPS = [0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1]

@@ -106,36 +106,20 @@ def resolve(parser, argv=None, device=None, world_size=1, demo_data=None, resolv
     layers.sources["workers"] = DEVICE  # its default is this machine's cores
     notes = []
     demo = typed.get("data") is None
-    method = typed.get("method")
-    output_dir = typed.get("output_dir") or (recipes.ROWS["demo"].values["output_dir"][0] if demo
-                                             else layers.values["output_dir"])
-    path = resume_path(output_dir, typed.get("resume", layers.values["resume"]))
-    started_json = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json") if path else None
-    started = started_settings(started_json) if started_json and os.path.isfile(started_json) else {}
-    method = method or started.get("method", ("sce",))[0]
+    path, started_json, started = started_run(typed, layers.values, demo)
+    method = typed.get("method") or started.get("method", ("sce",))[0]
     layers.put(f"method {method}", method_values(method))
-
     name = recipe_name(typed, started, demo, bool(path))
     dataset = typed.get("dataset") or started.get("dataset", (None,))[0] or (
         recipes.row(name, method).get("dataset", (None,))[0] if name else None) or layers.values["dataset"]
-    native = getattr(DATASETS.get(dataset), "native_size", None)  # without a row: --dataset's size
-    layers.put(f"default (--dataset {dataset}'s native size)" if native else "default",
-               {"crop_size": native or 224, "small_input": bool(native and native <= 96)})
-    if name:
-        for key, (value, source) in recipes.row(name, method).items():
-            if key != "queue_size" or losses.METHODS[method].queue:
-                layers.put(f"recipe {name}: {source}", {key: value})
-    layers.put("recipe" if name else "default", {"recipe": name})
+    row_layer(layers, name, method, dataset)
     for key, (value, source) in started.items():
         if key in layers.values:
             layers.put(source, {key: value})
     if started:
         notes.append(f"resuming the run in {os.path.dirname(started_json)}: its settings as it started (args.json)"
                      ", the flags given winning")
-    over = [f"{flag_of(parser, k)} {as_typed(v)} (not {as_typed(layers.values[k])}, {layers.sources[k].split(':')[0]})"
-            for k, v in typed.items() if v != layers.values[k] and layers.sources[k].startswith(("recipe", STARTED))]
-    if over:
-        notes.append("given, over the " + ("run's and the " if started else "") + f"recipe's: {'; '.join(over)}")
+    notes.append(given_over(parser, layers, typed, started))
     layers.put("flag", typed)
     if demo:  # the digits, which the kNN monitor reads too
         layers.put("demo", {"data": demo_data() if demo_data else None})
@@ -156,6 +140,36 @@ def resolve(parser, argv=None, device=None, world_size=1, demo_data=None, resolv
         notes.append(f"--dataset {dataset}: the paper's setting of it (--recipe {name}; --recipe none for the "
                      "parser's defaults); --print-settings shows every value and its source")
     return Settings(layers.values, layers.sources, [n for n in notes if n])
+
+
+def started_run(typed, defaults, demo):
+    """(the checkpoint this invocation continues, its run's args.json, started_settings of it), or Nones and {}."""
+    output_dir = typed.get("output_dir") or (recipes.ROWS["demo"].values["output_dir"][0] if demo
+                                             else defaults["output_dir"])
+    path = resume_path(output_dir, typed.get("resume", defaults["resume"]))
+    started_json = os.path.join(os.path.dirname(os.path.abspath(path)), "args.json") if path else None
+    if not started_json or not os.path.isfile(started_json):
+        return path, None, {}
+    return path, started_json, started_settings(started_json)
+
+
+def row_layer(layers, name, method, dataset):
+    """The recipe's row `name` run with `method` (without one: --dataset's native size for the crop and stem)."""
+    native = getattr(DATASETS.get(dataset), "native_size", None)
+    layers.put(f"default (--dataset {dataset}'s native size)" if native else "default",
+               {"crop_size": native or 224, "small_input": bool(native and native <= 96)})
+    for key, (value, source) in (recipes.row(name, method) if name else {}).items():
+        if key != "queue_size" or losses.METHODS[method].queue:
+            layers.put(f"recipe {name}: {source}", {key: value})
+    layers.put("recipe" if name else "default", {"recipe": name})
+
+
+def given_over(parser, layers, typed, started):
+    """The line of the typed flags that override a row's or the resumed run's value (None without any)."""
+    over = [f"{flag_of(parser, k)} {as_typed(v)} (not {as_typed(layers.values[k])}, {layers.sources[k].split(':')[0]})"
+            for k, v in typed.items() if v != layers.values[k] and layers.sources[k].startswith(("recipe", STARTED))]
+    return ("given, over the " + ("run's and the " if started else "") + f"recipe's: {'; '.join(over)}"
+            if over else None)
 
 
 def method_values(method):
@@ -193,8 +207,7 @@ def check_no_effect(parser, layers, typed, world_size, notes):
             if values[key] is not None and source.startswith(("recipe", "demo")):
                 notes.append(f"{flag_of(parser, key)} {as_typed(values[key])} ({source.split(':')[0]}) has no effect "
                              f"here: {why(values, world_size)}")
-            if values[key] is not None and source != "default" or key in ("bn_splits", "split_bn"):
-                layers.put(f"no effect: {why(values, world_size)}", {key: None})
+            layers.put(f"no effect: {why(values, world_size)}", {key: None})
 
 
 def not_the_papers(parser, values, dataset, method):

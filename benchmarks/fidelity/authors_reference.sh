@@ -105,10 +105,10 @@ DEVICE=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0) if torc
     "requirements.txt was installed into)" >&2; exit 2; }
 CORES=$(nproc)
 
-# ours: RECIPES.md's CIFAR-10 line (read by reproduce_tools.py, its one reader), its data, epochs, seed and folder
+# ours: the CIFAR-10 row of sce/recipes.py (read by reproduce_tools.py), its data, epochs, seed and folder
 # replaced below (the last of a repeated flag wins)
 read -ra recipe <<< "$("$PYTHON" benchmarks/reproduction/reproduce_tools.py flags cifar10)" && (( ${#recipe[@]} )) || {
-    echo "error: RECIPES.md has no CIFAR-10 line (python main_pretrain.py ... --dataset cifar10 ...)" >&2; exit 2; }
+    echo "error: sce/recipes.py has no CIFAR-10 row" >&2; exit 2; }
 ours=("$PYTHON" main_pretrain.py "${recipe[@]}" --dataset imagefolder --data "$DATA" --knn-data "$DATA"
       --epochs "$EPOCHS" --knn-every "$EPOCHS" --seed "$SEED" --output-dir "$OUT/ours")
 # theirs: their config with our data, the epochs, a checkpoint at every epoch's end (last.ckpt: the resume point)
