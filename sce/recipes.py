@@ -145,11 +145,11 @@ ROWS = {
          "moco": {**BASELINES["moco"], "proj_hidden_dims": ([4096], IN + ": MoCo v2 with ImageNet100's projector"),
                   "proj_last_bn": ("none", IN + ": MoCo v2 with ImageNet100's projector")},
          "ressl": BASELINES["ressl"]}, LINEAR),
-    "imagenet-100ep": sota(100, 0.5, 1e-6, 0.99),
-    "imagenet-200ep": sota(200, 0.3, 1e-6, 0.99),
-    "imagenet-300ep": sota(300, 0.3, 1e-6, 0.99),
-    "imagenet-1000ep": sota(1000, 0.3, 1.5e-6, 0.996),
-    "imagenet-200ep-multicrop": sota(
+    "imagenet-100": sota(100, 0.5, 1e-6, 0.99),
+    "imagenet-200": sota(200, 0.3, 1e-6, 0.99),
+    "imagenet-300": sota(300, 0.3, 1e-6, 0.99),
+    "imagenet-1000": sota(1000, 0.3, 1.5e-6, 0.996),
+    "imagenet-200-multicrop": sota(
         200, 0.3, 1e-6, 0.99, proj_hidden_dims=([4096, 4096], SOTA_MULTICROP),
         local_crop_sizes=([192, 160, 128, 96], SOTA_MULTICROP),
         local_crop_scales=([0.172, 0.86, 0.143, 0.715, 0.114, 0.571, 0.086, 0.429], SOTA_MULTICROP),

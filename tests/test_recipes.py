@@ -128,8 +128,8 @@ def test_recipe_flag_wins_and_is_said_and_a_row_turns_flags_either_way(monkeypat
     assert (args.online_probe, args.small_input) == (False, False) and args.sources["online_probe"] == "recipe off: x"
     assert recipes.flags("off") == ["--no-online-probe", "--no-small-input"]
     assert main_pretrain.parse_args(["--data", "d", "--recipe", "off", "--online-probe"]).online_probe is True
-    with pytest.raises(UserError, match="--recipe imagenet-100ep is run with --method sce in the paper, not moco"):
-        main_pretrain.parse_args(["--data", "d", "--recipe", "imagenet-100ep", "--method", "moco"])
+    with pytest.raises(UserError, match="--recipe imagenet-100 is run with --method sce in the paper, not moco"):
+        main_pretrain.parse_args(["--data", "d", "--recipe", "imagenet-100", "--method", "moco"])
 
 
 def test_dataset_alone_takes_its_row_for_a_fresh_run():
