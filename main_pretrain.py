@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Pretrain a ResNet with SCE (or its baselines MoCo v2 and ReSSL).
 
-    torchrun --nproc_per_node=8 main_pretrain.py --data /datasets/imagenet/train --lambda 0.5 --tau-m 0.07
+    python main_pretrain.py --data DIR --recipe cifar10   # the paper's CIFAR-10 setting (--dataset cifar10 alike)
+    torchrun --nproc_per_node=8 main_pretrain.py --data /datasets/imagenet/train --recipe imagenet
     python main_pretrain.py        # no flags: a demo on scikit-learn's digits, under 3 minutes on 2 CPU cores
 
-Defaults are the paper's ImageNet recipe against the baselines (Sec. 4.2); RECIPES.md has
-the command of every setting of the paper.
+Each setting of the paper is a row of sce/recipes.py (--recipe NAME; RECIPES.md), each value with its source;
+the defaults are its ImageNet setting against the baselines (Sec. 4.2). --print-settings shows every value and
+the layer it came from (sce/settings.py).
 """
 import sce  # first: a stop signal during the imports below (torch's take seconds) is said, exit 75
 sce.stop_while_importing(__name__ == "__main__")
@@ -165,9 +167,11 @@ def parse_args(argv=None, device=None, world_size=1):
 
 
 def check_args(args, world_size=1, device=torch.device("cpu")):
-    """Impossible settings stop before anything is built, with one line (sce.cli.check_pretrain's rules); returns
-    the BN splits."""
-    return cli.check_pretrain(args, world_size, device, data.MIN_BLUR_SIZE)
+    """Impossible settings stop before anything is built, with one line (sce.cli.check_pretrain's rules, then a
+    flag typed that does nothing here: sce.settings.NO_EFFECT); returns the BN splits."""
+    bn_splits = cli.check_pretrain(args, world_size, device, data.MIN_BLUR_SIZE)
+    settings.refuse_idle_flags(args, world_size)  # a flag typed that would do nothing
+    return bn_splits
 
 
 def device_values(args, device, world_size):

@@ -17,18 +17,29 @@ INVOCATION = {"data", "output_dir", "resume", "stop_after_epochs", "preview_view
               "dist_timeout", "workers", "print_freq", "preload", "decode", "augment", "compile", "cuda_graph",
               "channels_last", "max_nonfinite_steps", "max_bad_images", "keep_checkpoints"}
 STARTED = "run"  # the started run's layer: "run: <the source it had>"
-# a setting that does nothing in some runs: (keys, when(values, world_size) it does nothing, why, fix for a typed one)
+# a setting that does nothing in some runs: (keys, when(values, world_size) it does nothing, why, the fix of a typed
+# one, whether it is then recorded as None: not where a module reads it whatever the run)
 NO_EFFECT = [
     (("bn_splits", "split_bn"), lambda v, w: not v["shuffle_bn"] or w > 1,
      lambda v, w: "BN is split only under --shuffle-bn on one process" + (f" ({w} ranks shuffle for real)"
                                                                             if w > 1 else ""),
-     "add --shuffle-bn or drop it"),
+     "add --shuffle-bn or drop it", True),
     (("class_list",), lambda v, w: v["dataset"] != "imagenet100",
-     lambda v, w: "it picks the classes of --dataset imagenet100", "drop it or use --dataset imagenet100"),
+     lambda v, w: "it picks the classes of --dataset imagenet100", "drop it or use --dataset imagenet100", True),
     (("online_probe_lr",), lambda v, w: not v["online_probe"],
-     lambda v, w: "it is the online probe's, off under --no-online-probe", "drop one of them"),
+     lambda v, w: "it is the online probe's, off under --no-online-probe", "drop one of them", True),
     (("knn_data",), lambda v, w: not v["knn_every"] and v["recipe"] != "demo",
-     lambda v, w: "the kNN monitor is off under --knn-every 0", "drop it or give --knn-every N"),
+     lambda v, w: "the kNN monitor is off under --knn-every 0", "drop it or give --knn-every N", True),
+    (("knn_k", "knn_t", "knn_max_train"),
+     lambda v, w: not v["knn_data"] or not (v["knn_every"] or v["recipe"] == "demo"),
+     lambda v, w: "no kNN monitor runs (it needs --knn-data and --knn-every N)", "drop it or add --knn-data DIR", True),
+    (("lambda_end",), lambda v, w: v["lambda_schedule"] == "constant",
+     lambda v, w: "lambda stays constant without --lambda-schedule", "drop it or add --lambda-schedule", True),
+    (("lambda_warmup_start",), lambda v, w: not v["lambda_warmup_steps"],
+     lambda v, w: "lambda has no warmup without --lambda-warmup-steps", "drop it or add --lambda-warmup-steps N",
+     True),
+    (("local_aug",), lambda v, w: not v["local_crop_sizes"],
+     lambda v, w: "there are no local crops without --local-crop-sizes", "drop it or add --local-crop-sizes", False),
 ]
 
 
@@ -133,7 +144,7 @@ def resolve(parser, argv=None, device=None, world_size=1, demo_data=None, resolv
             if not (key in typed and typed[key] == value):
                 layers.put(f"{DEVICE} (this machine: {device.type}{f', {world_size} ranks' if world_size > 1 else ''})",
                            {key: value})
-    check_no_effect(parser, layers, typed, world_size, notes)
+    idle_settings(parser, layers, world_size, notes)
     if not name and not path and dataset in recipes.OF_DATASET:
         notes.append(not_the_papers(parser, layers.values, dataset, method))
     elif name and "recipe" not in typed and not started and not demo:
@@ -193,21 +204,32 @@ def recipe_name(typed, started, demo, resumed):
     return recipes.OF_DATASET.get(typed.get("dataset"))
 
 
-def check_no_effect(parser, layers, typed, world_size, notes):
-    """A typed flag that does nothing in this run's setting: one line; one set by a row or the run resumed: said,
-    and recorded as None (no effect)."""
+def idle_settings(parser, layers, world_size, notes):
+    """A value that does nothing in this run's setting, not typed (refuse_idle_flags refuses those): recorded as
+    None (no effect), and said where a row set it."""
     values = layers.values
-    for keys, idle, why, fix in NO_EFFECT:
+    for keys, idle, why, _, record in NO_EFFECT:
         if not idle(values, world_size):
             continue
         for key in keys:
-            if key in typed:
-                raise UserError(f"{flag_of(parser, key)} has no effect here: {why(values, world_size)}: {fix}")
             source = layers.sources[key]
+            if source == "flag":
+                continue
             if values[key] is not None and source.startswith(("recipe", "demo")):
                 notes.append(f"{flag_of(parser, key)} {as_typed(values[key])} ({source.split(':')[0]}) has no effect "
                              f"here: {why(values, world_size)}")
-            layers.put(f"no effect: {why(values, world_size)}", {key: None})
+            if record:
+                layers.put(f"no effect: {why(values, world_size)}", {key: None})
+
+
+def refuse_idle_flags(args, world_size=1):
+    """One line for a flag typed on the command line that does nothing in the run's setting (NO_EFFECT), run after
+    the values' own checks (a value outside what a flag accepts is said first)."""
+    sources, values = getattr(args, "sources", {}), vars(args)
+    for keys, idle, why, fix, _ in NO_EFFECT:
+        typed = [key for key in keys if sources.get(key) == "flag"]
+        if typed and idle(values, world_size):
+            raise UserError(f"{recipes.flag_of(typed[0])} has no effect here: {why(values, world_size)}: {fix}")
 
 
 def not_the_papers(parser, values, dataset, method):

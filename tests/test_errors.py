@@ -141,7 +141,7 @@ def test_a_file_that_is_no_checkpoint(tmp_path):
     (["--loss-coeffs", "1", "nan", "1"], "--loss-coeffs must be a finite number"),
     (["--local-crop-sizes", "8", "--local-crop-scales", "0.1", "nan"], "--local-crop-scales must be a finite"),
     (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps must be >= 0"),
-    (["--shuffle-bn", "--bn-splits", "0"], "--bn-splits must be positive"),
+    (["--bn-splits", "0"], "--bn-splits must be positive"),
     (["--shuffle-bn", "--bn-splits", "-4"], "--bn-splits must be positive"),
     (["--max-bad-images", "-2"], "--max-bad-images must be -1"),
 ])

@@ -172,17 +172,27 @@ def test_a_resume_reads_the_values_and_their_sources_back(tmp_path):
     (["--class-list", "f"], "--class-list has no effect here: it picks the classes of --dataset imagenet100"),
     (["--no-online-probe", "--online-probe-lr", "1"], "--online-probe-lr has no effect here"),
     (["--knn-data", "k", "--knn-every", "0"], "--knn-data has no effect here: the kNN monitor is off"),
+    (["--knn-k", "5"], "--knn-k has no effect here: no kNN monitor runs"),
+    (["--lambda-end", "1"], "--lambda-end has no effect here: lambda stays constant without --lambda-schedule"),
+    (["--local-aug", "weak"], "--local-aug has no effect here: there are no local crops"),
+    (["--no-online-probe", "--online-probe-lr", "-1"], "--online-probe-lr must be positive"),  # the value first
     (["--recipe", "cifar10", "--bn-splits", "4"], None),
 ])
 def test_a_typed_flag_that_does_nothing_is_refused(argv, message):
+    """Refused in one line where typed (after the value's own checks); the same set by a row: said, recorded None."""
+    args = main_pretrain.parse_args(["--data", "d"] + argv)
     if message:
         with pytest.raises(UserError, match=re.escape(message)):
-            main_pretrain.parse_args(["--data", "d"] + argv)
+            main_pretrain.check_args(args)
     else:
-        assert main_pretrain.parse_args(["--data", "d"] + argv).bn_splits == 4
+        assert main_pretrain.check_args(args) == 4
+    args = main_pretrain.parse_args(["--data", "d", "--recipe", "cifar10", "--bn-splits", "4"], torch.device("cpu"), 8)
     with pytest.raises(UserError, match="has no effect here: BN is split only under --shuffle-bn on one process "
                                         r"\(8 ranks shuffle for real\)"):
-        main_pretrain.parse_args(["--data", "d", "--recipe", "cifar10", "--bn-splits", "4"], torch.device("cpu"), 8)
+        main_pretrain.check_args(args, 8)
+    row = main_pretrain.parse_args(["--data", "d", "--recipe", "cifar10"], torch.device("cpu"), 8)
+    assert row.bn_splits is None and "--bn-splits 2 (recipe cifar10) has no effect here" in " ".join(row.notes)
+    main_pretrain.check_args(row, 8)
 
 
 def test_print_settings_shows_every_value_with_its_layer(tmp_path):
