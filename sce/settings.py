@@ -141,7 +141,7 @@ def resolve(parser, argv=None, device=None, world_size=1, demo_data=None, resolv
     layers.put("derived", {"demo": demo})
     if device is not None and resolve_device:
         for key, value in resolve_device(argparse.Namespace(**layers.values), device, world_size).items():
-            if not (key in typed and typed[key] == value):
+            if value != layers.values[key] or layers.sources[key] in ("default", DEVICE):  # else the value kept
                 layers.put(f"{DEVICE} (this machine: {device.type}{f', {world_size} ranks' if world_size > 1 else ''})",
                            {key: value})
     idle_settings(parser, layers, world_size, notes)

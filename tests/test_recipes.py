@@ -154,6 +154,7 @@ def test_a_resume_reads_the_values_and_their_sources_back(tmp_path):
     args = main_pretrain.parse_args(["--data", "d", "--recipe", "cifar10", "--lr", "0.1", "--workers", "0",
                                      "--output-dir", str(tmp_path)], device)
     assert args.sources["compile"].startswith("device (this machine: cpu)") and args.compile is False
+    assert args.sources["workers"] == "flag"  # the device's layer keeps a value it leaves as it was
     (tmp_path / "args.json").write_text(json.dumps(vars(args)))  # as main_pretrain.py writes it
     (tmp_path / "checkpoint_last.pth").write_bytes(b"")
     with pytest.raises(AttributeError, match="resolved once"):
