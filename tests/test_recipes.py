@@ -82,6 +82,9 @@ def test_recipes_md_is_the_rows_value_by_value():
         if recipe.sweep:
             assert sorted(repr(sorted(p.items())) for p in covered[name]) == sorted(
                 repr(sorted(p.items())) for p in recipe.sweep), name
+    said = subprocess.run([sys.executable, "-m", "sce.recipes", "imagenet100-lambda", "--sweep"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert [shlex.split(line)[-1] for line in said] == [recipes.typed(x / 10) for x in range(11)]
     for name in reproduce_tools.PAPER["sce"][1]:
         line = next(c for c in COMMANDS if f"--dataset {name} " in " ".join(c))
         assert reproduce_tools.recipe_flags(name) == recipes.flags(name)
