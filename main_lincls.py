@@ -13,7 +13,7 @@ import os
 import numpy as np
 import torch
 
-from sce import UserError, cli, data, entry, events, outdir, timing, transfer
+from sce import UserError, cli, data, entry, events, outdir, preemption, timing, transfer
 from sce import distributed as du
 from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs, require
 from sce.compiling import Log, resolve_compile
@@ -89,17 +89,19 @@ def main(argv=None):
     cli.check_finite(args)
     if args.knn:
         args.classifier = "knn"
-    cosine = args.schedule == "cosine"
-    args.epochs = args.epochs or (90 if cosine else 100)
-    args.batch_size = args.batch_size or (1024 if cosine else 256)
-    args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
-    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--crop-size": args.crop_size,
-                "--print-freq": args.print_freq, "--knn-k": args.knn_k, "--knn-t": args.knn_t,
-                "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter,
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--lr": args.lr, "--crop-size": args.crop_size,
+                "--print-freq": args.print_freq, "--milestones": min(args.milestones), "--knn-k": args.knn_k,
+                "--knn-t": args.knn_t, "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter,
                 "--dist-timeout": args.dist_timeout}
-    at_least_zero = {"--workers": args.workers, "--lr": args.lr, "--weight-decay": args.weight_decay,
+    at_least_zero = {"--workers": args.workers, "--weight-decay": args.weight_decay,
                      "--warmup-epochs": args.warmup_epochs}
-    cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
+    cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})  # before the defaults: 0 is no
+    if not 0 < args.val_fraction < 1:  # default, it is refused
+        raise UserError(f"--val-fraction must lie between 0 and 1, both excluded (got {args.val_fraction})")
+    cosine = args.schedule == "cosine"
+    args.epochs = args.epochs if args.epochs is not None else (90 if cosine else 100)
+    args.batch_size = args.batch_size if args.batch_size is not None else (1024 if cosine else 256)
+    args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
     cli.check_seed(args.seed)
     args.workers = cli.cap_processes(args.workers)
     data.data_folder(args.data)  # before the output folder is bound to it
@@ -181,7 +183,9 @@ def splits(args, device, augment_train):
 
 
 def write_results(args, results, name=None):
+    """results_<classifier>.json, the last work of every mode: a stop signal after it is said, exit 0."""
     outdir.write_json(os.path.join(args.output_dir, f"results_{name or args.classifier}.json"), results)
+    preemption.finished()
 
 
 # ---------------------------------------------------------------- linear classifier
@@ -380,19 +384,27 @@ def run_logreg(args, frozen, source, device):
         sel_x, sel_y, val_x, val_y = fit_x[tr], fit_y[tr], fit_x[va], fit_y[va]
 
     count = transfer.FitCount()  # fits stopped by --logreg-max-iter, said with the result
-    if args.logreg_c is not None:
-        best_c, history = args.logreg_c, []
-    else:
-        print(f"picking C on {len(val_x)} validation images ({len(transfer.LOGREG_WDS)} wd values)", flush=True)
-        best_c, history = transfer.select_logreg(sel_x, sel_y, val_x, val_y, metric,
-                                                 max_iter=args.logreg_max_iter, count=count)
-    score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, C=best_c, max_iter=args.logreg_max_iter,
-                                     count=count)
+    with preemption.safe_points("fitting the logistic regression", record_only=False):  # a fit stops at once
+        if args.logreg_c is not None:
+            best_c, history = args.logreg_c, []
+        else:
+            print(f"picking C on {len(val_x)} validation images ({len(transfer.LOGREG_WDS)} wd values)", flush=True)
+            best_c, history = transfer.select_logreg(sel_x, sel_y, val_x, val_y, metric, count=count,
+                                                     max_iter=args.logreg_max_iter, log=said_then_check)
+        preemption.check()  # before the refit
+        score = transfer.fit_eval_logreg(fit_x, fit_y, test_x, test_y, metric, C=best_c,
+                                         max_iter=args.logreg_max_iter, count=count)
     print(f"logistic regression (C {best_c:.4g}, refit on {len(fit_x)} images): test {metric} {score:.2f} "
           f"({count.note(args.logreg_max_iter, '--logreg-max-iter')})", flush=True)
     write_results(args, {"metric": metric, "test": score, "C": best_c,
                          "val": [{"C": c, "score": s} for c, s in history],
                          "fits": len(count.stalled), "unconverged_fits": sum(count.stalled)})
+
+
+def said_then_check(line):
+    """A value of C's line, then a safe point: a stop whose raise a fit's finalizer dropped stops here."""
+    print(line, flush=True)
+    preemption.check()
 
 
 if __name__ == "__main__":

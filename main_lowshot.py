@@ -26,7 +26,7 @@ import os
 import numpy as np
 import torch
 
-from sce import UserError, cli, data, entry, outdir, transfer
+from sce import UserError, cli, data, entry, outdir, preemption, transfer
 from sce.compiling import resolve_compile
 from sce.frozen import load_frozen, split_features
 
@@ -86,10 +86,10 @@ def main(argv=None):
     cli.check_seed(args.seed, 2 ** 32 - 1, " (scikit-learn's cross-validation takes 32-bit seeds)")
     if args.jobs == 0 or args.jobs < -1:
         raise UserError(f"--jobs must be positive, or -1 for every core (got {args.jobs})")
+    if args.cv_folds < 2:
+        raise UserError(f"--cv-folds must be at least 2 (got {args.cv_folds})")
     args.workers, args.jobs = cli.cap_processes(args.workers), cli.cap_processes(args.jobs, "--jobs")
     data.data_folder(args.data)  # before the output folder is bound to it
-    if args.cost_selection == "cv" and args.cv_folds < 2:
-        raise UserError(f"--cv-folds must be at least 2 (got {args.cv_folds})")
     if args.cost_selection == "cv" and any(k != "full" and k < 2 for k in args.shots):
         raise UserError("--cost-selection cv cross-validates on the training draw and needs --shots >= 2 "
                         "(or 'full')")
@@ -136,7 +136,8 @@ def lowshot(args):
     train_x = features("trainval", trainval_paths, trainval_y)
     test_x = features("test", test_paths, test_y)
 
-    results, all_fits = shots(args, train_x, trainval_y, test_x, test_y)
+    with preemption.safe_points("fitting the SVMs", record_only=False):  # a fit stops at once
+        results, all_fits = shots(args, train_x, trainval_y, test_x, test_y)
     report(args, results, all_fits, frozen.arch)
 
 
@@ -148,6 +149,7 @@ def shots(args, train_x, train_y, test_x, test_y):
         runs = 1 if k == "full" else args.runs
         per_run = []
         for r in range(runs):
+            preemption.check()  # between draws: a stop whose raise a fit's finalizer dropped
             idx = (np.arange(len(train_x)) if k == "full"
                    else transfer.lowshot_draw(train_y, k, [args.seed, k, r]).ravel())
             fits = transfer.FitCount()
@@ -206,6 +208,7 @@ def report(args, results, all_fits, arch):
                             "arch": arch, "cost_selection": args.cost_selection, "costs": args.costs,
                             "seed": args.seed, "difficult": args.difficult, "std": "population (ddof 0) over draws",
                             "results": results})
+    preemption.finished()  # a stop signal from now on is said, exit 0
     print(f"=> {out}")
 
 

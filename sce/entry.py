@@ -11,7 +11,7 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from sce import UserError, alive, stopped_during_startup, timing
+from sce import UserError, alive, preemption, timing
 from sce.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, Interrupted, Stopped, stop_during_startup
 
 
@@ -38,19 +38,27 @@ def run(main):
     then ends as one line `error: ...` on stderr, exit status 1, no traceback; any other exception
     keeps its traceback. A stop signal before the run's loop takes the signals over ends it at once with
     PREEMPTED_EXIT_CODE and one line (sce.preemption.Stopped); a second Ctrl-C after a stop request, with
-    INTERRUPTED_EXIT_CODE and one line (sce.preemption.Interrupted). Whatever the exit, its loader workers end with it,
-    and the process leaves at once (leave)."""
+    INTERRUPTED_EXIT_CODE and one line (sce.preemption.Interrupted). A stop whose raise was dropped (in a finalizer,
+    an at-fork hook) is still one: an error after it is that stop (exit 75, its line), and a run that ends after it
+    says so (exit 0: the work was done). Whatever the exit, its loader workers end with it, and the process leaves at
+    once (leave)."""
     timing.STARTED = timing.process_start()  # the split's start-up counts the interpreter's and the imports'
     stop_with_parent()
     stop_during_startup()
+    hook, sys.unraisablehook = sys.unraisablehook, quiet_stops(sys.unraisablehook)
     try:
         record(main, _ErrorFile())()
         code = 0
-    except UserError as e:
-        code = f"error: {one_line(e)}"
+        if preemption.received():
+            print(f"=> {preemption.received()} came after the work was done: everything is saved, nothing is left "
+                  "to continue (exiting with code 0)", flush=True)
     except Stopped as e:
-        print(stopped_during_startup(e), flush=True)
+        print(e.line(), flush=True)
         code = PREEMPTED_EXIT_CODE
+    except Exception as e:
+        code = stopped_by(e)
+        if code is None:
+            raise
     except Interrupted:
         print("=> interrupted again: leaving at once, without waiting for the checkpoint being written (it is dropped, "
               "the previous one is kept); run the same command again to continue from that one (exiting with code "
@@ -60,7 +68,28 @@ def run(main):
         code = e.code
     finally:
         end_workers()
+        preemption.forget()
+        sys.unraisablehook = hook
     leave(code)
+
+
+def stopped_by(error):
+    """The exit of a run that failed with `error`: the stop's (its line said) when a stop signal came before, whose
+    raise was dropped (the error may be what it broke), else a UserError's one line, else None (a traceback)."""
+    stop = preemption.pending()
+    if stop:
+        print(stop.line(), flush=True)
+        return PREEMPTED_EXIT_CODE
+    return f"error: {one_line(error)}" if isinstance(error, UserError) else None
+
+
+def quiet_stops(hook):
+    """sys.unraisablehook that drops a stop raised where the interpreter cannot raise it (a finalizer): it is
+    recorded (sce.preemption), and the run stops at its next safe point, without a traceback."""
+    def quiet(unraisable):
+        if not isinstance(unraisable.exc_value, (Stopped, Interrupted)):
+            hook(unraisable)
+    return quiet
 
 
 EXIT_AT_ONCE = True  # False where the scripts run inside another program (the tests)

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.nn as nn
 
+from sce import preemption
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
 from sce.compiling import Log, compile_module
 from sce.knn import extract_features, padded
@@ -67,7 +68,8 @@ def split_features(frozen, split, name, output_dir, /, *, checkpoint, batch_size
         except Exception as e:  # a truncated or foreign file: compute it again
             print(f"warning: ignoring unreadable feature cache {path} ({type(e).__name__})", flush=True)
     device = next(frozen.trunk.parameters()).device
-    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None), \
+            preemption.safe_points(f"extracting the {name} features"):  # the loader's teardown too
         feats, _ = extract_features(frozen.trunk, split.batches(batch_size), normalize=False, name=f"{name} features",
                                     pad_to=min(batch_size, len(split)) if frozen.compiled else None)
     feats = feats.cpu()

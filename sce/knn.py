@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sce import UserError
+from sce import UserError, preemption
 from sce import distributed as du
 from sce.compiling import Fallback, Log
 from sce.timing import Stopwatch
@@ -35,12 +35,19 @@ def extract_features(trunk, batches, channels_last=False, normalize=True, name=N
     """Trunk features (l2-normalised unless normalize=False) and labels of a split's batches (of
     sce.data.EvalSplit.batches: images and targets on the device), in their order, with the trunk in eval
     mode. `name`: print progress on rank 0. pad_to: every smaller batch is padded to this many images (a compiled
-    trunk sees one shape: no second compile). forward: how to call the trunk (default: trunk(images))."""
+    trunk sees one shape: no second compile). forward: how to call the trunk (default: trunk(images)). A stop signal
+    before a run's loop holds them stops it between two batches (sce.preemption.safe_points)."""
+    with preemption.safe_points(f"extracting the {name or 'features'}"):
+        return _extract(trunk, batches, channels_last, normalize, name, pad_to, forward)
+
+
+def _extract(trunk, batches, channels_last, normalize, name, pad_to, forward):
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
     progress, shown = Progress(len(batches.sampler)), time.time()
     for images, targets in batches:
+        preemption.check()
         if channels_last:
             images = images.to(memory_format=torch.channels_last)
         out = padded(forward or trunk, images, pad_to).float()
@@ -110,6 +117,11 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_si
         raise UserError(f"the kNN splits ({len(train_set)} train, {len(val_set)} val images) need at least one "
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
     pad_to = min(batch_size, max(len(train_set), len(val_set))) if pad else None
+    with preemption.safe_points("computing the kNN"):  # the loaders' teardown too
+        return _knn(trunk, train_set, val_set, num_classes, k, t, batch_size, pad_to, forward, head)
+
+
+def _knn(trunk, train_set, val_set, num_classes, k, t, batch_size, pad_to, forward, head):
     bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad_to=pad_to,
                                          forward=forward)
     features, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size), normalize=False,

@@ -1,7 +1,14 @@
 """Preemption: SIGTERM / SIGUSR1 (SLURM, torchrun) or SIGINT (Ctrl-C) make every rank stop at the next
 check (every CHECK_STEPS steps at most), save and exit 75. A second Ctrl-C stops at once, unsaved (Interrupted:
 exit 130, one line). Before a run's loop takes them over (Preemption), the same signals stop the start-up at once
-(Stopped: exit 75, one line, nothing to save)."""
+(Stopped: exit 75, one line, nothing to save).
+
+Every handler records the stop before anything else (received): a raise the interpreter drops (one landing in a
+finalizer, an at-fork hook, a thread's start) still stops the run at its next safe point (check), and sce.entry.run
+exits 75 on an error that follows it. Within safe_points (feature extraction, where a raise inside a DataLoader's
+start or teardown is lost or breaks the iterator) the start-up handler only records; the phase stops between its
+batches."""
+import contextlib
 import ctypes
 import datetime
 import os
@@ -11,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS
+from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS, stopped_during_startup
 from sce import distributed as du
 
 CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
@@ -50,32 +57,122 @@ class Interrupted(BaseException):
 
 
 class Stopped(BaseException):
-    """A stop signal during start-up, before the run's loop took the stop signals over: nothing to save. Not an
-    Exception, as Interrupted is not: the handlers of unreadable images, checkpoints and batches let it through."""
+    """A stop signal before a run's loop took the stop signals over (or in an evaluation, which has none): nothing to
+    save. `phase`: the safe point's phase that stopped it (None: the start-up). Not an Exception, as Interrupted is
+    not: the handlers of unreadable images, checkpoints and batches let it through."""
+
+    def __init__(self, name, phase=None):
+        super().__init__(name)
+        self.name, self.phase = name, phase
+
+    def line(self):
+        if self.phase is None:
+            return stopped_during_startup(self.name)
+        return (f"=> stopped by {self.name} while {self.phase}: nothing to save; run the same command again to start "
+                f"it again (exiting with code {PREEMPTED_EXIT_CODE})")
+
+
+_stop = None  # the name of the first stop signal the start-up handler took, recorded before its raise
+_active = None  # the Preemption that took the stop signals over, if any
+_phases = []  # (phase, record_only) of the safe_points we are in, innermost last
+_owner = None  # the process whose handlers these are: a child forked before it set its own ignores them
+_done = False  # the work is done and saved (finished): a later stop is only recorded
 
 
 def stop_during_startup():
     """Until a Preemption takes them over, each stop signal raises Stopped where the process is (sce.entry.run turns
-    it into exit PREEMPTED_EXIT_CODE and one line): preloading or listing a dataset stops at once."""
-    def handler(signum, frame):
-        raise Stopped(signal.Signals(signum).name)
+    it into exit PREEMPTED_EXIT_CODE and one line): preloading or listing a dataset stops at once. The record of
+    earlier stops is cleared: a new run begins."""
+    global _stop, _active, _owner, _done
+    _stop, _active, _owner, _done = None, None, os.getpid(), False
+    _phases.clear()
     for sig in STOP_SIGNALS:
-        signal.signal(sig, handler)
+        signal.signal(sig, _startup_handler)
+
+
+def _startup_handler(signum, frame):
+    global _stop
+    if os.getpid() != _owner:  # a loader worker before its worker_init_fn: its parent stops
+        return
+    again, _stop = _stop is not None, _stop or signal.Signals(signum).name
+    if _done or (_phases and _phases[-1][1] and not (again and signum == signal.SIGINT)):  # a second Ctrl-C: at once
+        return
+    raise Stopped(_stop, _phase())
+
+
+def _phase():
+    return _phases[-1][0] if _phases else None
+
+
+def received():
+    """The name of the stop signal this process received since its run began, or None."""
+    return _stop or (_active.received if _active else None)
+
+
+def pending(phase=None):
+    """The Stopped of a stop signal that came before and is not yet honoured, whatever swallowed its raise (a
+    finalizer, an at-fork hook), or None; None too while a Preemption holds the signals (its loop looks at its own
+    points) or once the work is done. `phase`: what it stops (default: the innermost safe_points' phase)."""
+    if _stop and not _active and not _done:
+        return Stopped(_stop, phase or _phase())
+    return None
+
+
+def check(phase=None):
+    """A safe point: raise the pending Stopped, if any."""
+    stop = pending(phase)
+    if stop:
+        raise stop
+
+
+@contextlib.contextmanager
+def safe_points(phase, record_only=True):
+    """A phase that stops at its safe points (check: between its batches, its values of C; and at its end): within,
+    the start-up handler records a stop without raising it (a raise inside a DataLoader's start or teardown would be
+    dropped or leave a broken iterator); a second Ctrl-C still stops at once. record_only=False: the handler raises
+    too (a long fit stops at once), and the safe points stop what a finalizer dropped. `phase`: what the stop line
+    says it stopped, e.g. "extracting the train features"."""
+    _phases.append((phase, record_only))
+    try:
+        yield
+    finally:
+        _phases.pop()
+    check(phase)
+
+
+def finished():
+    """The run's work is done and saved: a stop signal from now on is recorded, not raised, and sce.entry.run exits 0
+    saying it came after the work."""
+    global _done
+    _done = True
+
+
+def forget():
+    """The end of a run (sce.entry.run): its record of stops is dropped, for the next run in this process."""
+    global _stop, _active, _done
+    _stop, _active, _done = None, None, False
+    _phases.clear()
 
 
 class Preemption:
     """A stop signal asks every rank to save at the end of a step and exit."""
 
     def __init__(self, world_size, timeout_s):
-        self.flag = torch.zeros(1)
+        global _active
+        check()  # a stop the start-up dropped (its raise landed in a finalizer): nothing trained yet to save
+        self.flag, self.received, self.owner = torch.zeros(1), None, os.getpid()
         # a CPU (gloo) group agrees on the flag without syncing the GPU stream; new_group
         # does not inherit --dist-timeout (it defaults to 30 min), so a hung peer would hang us here
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
             if world_size > 1 else None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handler)
+        _active = self
 
     def _handler(self, signum, frame):
+        if os.getpid() != self.owner:  # a loader worker before its worker_init_fn: its parent stops
+            return
+        self.received = self.received or signal.Signals(signum).name
         if signum == signal.SIGINT and self.flag.item():  # Ctrl-C twice: the user will not wait for the save
             for sig in STOP_SIGNALS:  # (SIGTERM twice is one request: torchrun forwards SLURM's to ranks it reached)
                 signal.signal(sig, signal.SIG_IGN)
