@@ -73,6 +73,7 @@ class Stopped(BaseException):
 
 
 _stop = None  # the name of the first stop signal the start-up handler took, recorded before its raise
+_stop_phase = None  # the safe_points' phase it came in (None: none)
 _active = None  # the Preemption that took the stop signals over, if any
 _phases = []  # (phase, record_only) of the safe_points we are in, innermost last
 _owner = None  # the process whose handlers these are: a child forked before it set its own ignores them
@@ -91,10 +92,12 @@ def stop_during_startup():
 
 
 def _startup_handler(signum, frame):
-    global _stop
+    global _stop, _stop_phase
     if os.getpid() != _owner:  # a loader worker before its worker_init_fn: its parent stops
         return
-    again, _stop = _stop is not None, _stop or signal.Signals(signum).name
+    again = _stop is not None
+    if not again:
+        _stop, _stop_phase = signal.Signals(signum).name, _phase()
     if _done or (_phases and _phases[-1][1] and not (again and signum == signal.SIGINT)):  # a second Ctrl-C: at once
         return
     raise Stopped(_stop, _phase())
@@ -112,9 +115,10 @@ def received():
 def pending(phase=None):
     """The Stopped of a stop signal that came before and is not yet honoured, whatever swallowed its raise (a
     finalizer, an at-fork hook), or None; None too while a Preemption holds the signals (its loop looks at its own
-    points) or once the work is done. `phase`: what it stops (default: the innermost safe_points' phase)."""
+    points) or once the work is done. `phase`: what it stops (default: the phase the stop came in, else the
+    innermost safe_points' phase)."""
     if _stop and not _active and not _done:
-        return Stopped(_stop, phase or _phase())
+        return Stopped(_stop, phase or _stop_phase or _phase())
     return None
 
 
