@@ -165,6 +165,40 @@ def test_nan_flags_of_the_evaluation_scripts_are_refused_at_start(tmp_path):
         == "error: --lr must be a finite number (got nan)"  # what its __main__ passes to sys.exit: exit 1, one line
 
 
+@pytest.mark.parametrize("flag,value,match", [
+    ("--epochs", "0", "--epochs must be positive (got 0)"),  # was: 100 epochs
+    ("--batch-size", "0", "--batch-size must be positive (got 0)"),  # was: 256
+    ("--lr", "0", "--lr must be positive (got 0.0)"), ("--crop-size", "0", "--crop-size must be positive (got 0)"),
+    ("--milestones", "0", "--milestones must be positive (got 0)"), ("--knn-k", "0", "--knn-k must be positive"),
+    ("--logreg-max-iter", "0", "--logreg-max-iter must be positive"), ("--dist-timeout", "0", "must be positive"),
+    ("--warmup-epochs", "-1", "--warmup-epochs must be >= 0"), ("--weight-decay", "-1", "--weight-decay must be >= 0"),
+    ("--sgd-momentum", "1.5", "--sgd-momentum must lie in [0, 1]"), ("--workers", "-1", "--workers must be >= 0"),
+    ("--val-fraction", "0", "--val-fraction must lie between 0 and 1, both excluded (got 0.0)"),
+    ("--val-fraction", "1", "--val-fraction must lie between 0 and 1")])
+def test_lincls_refuses_a_value_out_of_a_flags_range(flag, value, match, tmp_path):
+    """Every number main_lincls.py takes, out of its range: one line before any work (0 is no default)."""
+    import main_lincls
+    with pytest.raises(UserError, match=re.escape(match)):
+        main_lincls.main(["--data", str(tmp_path / "missing"), "--pretrained", str(tmp_path / "missing.pth"), flag,
+                          value, "--output-dir", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--runs", "0", "--runs must be positive"), ("--costs", "0", "--costs must be positive"),
+    ("--batch-size", "0", "--batch-size must be positive"), ("--resize", "0", "--resize must be positive"),
+    ("--crop-size", "0", "--crop-size must be positive"), ("--workers", "-1", "--workers must be >= 0"),
+    ("--jobs", "0", "--jobs must be positive, or -1"), ("--cv-folds", "1", "--cv-folds must be at least 2 (got 1)"),
+    ("--seed", "-1", "--seed must lie in")])
+def test_lowshot_refuses_a_value_out_of_a_flags_range(flag, value, match, tmp_path):
+    """Every number main_lowshot.py takes, out of its range (--cv-folds under the default --cost-selection too)."""
+    import main_lowshot
+    with pytest.raises(UserError, match=re.escape(match)):
+        main_lowshot.main(["--data", str(tmp_path / "missing"), "--pretrained", str(tmp_path / "missing.pth"), flag,
+                           value, "--output-dir", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "o")
+
+
 def one_line_error(args, match):
     """The script as users run it: non-zero exit, one line on stderr, no traceback."""
     proc = run_script(args, check=False)
@@ -294,7 +328,7 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
     with pytest.raises(UserError, match="--metric map11 does not fit --dataset imagefolder"):
         main_lincls.main(["--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--metric", "map11",
                           "--workers", "0", "--output-dir", str(tmp_path)])
-    for flag, value, match in [("--print-freq", "0", "positive"), ("--knn-t", "0", "positive"), ("--lr", "-1", ">= 0"),
+    for flag, value, match in [("--print-freq", "0", "positive"), ("--knn-t", "0", "positive"), ("--lr", "-1", "positive"),
                                ("--logreg-c", "-1", "positive")]:
         with pytest.raises(UserError, match=f"{flag} must be {match}"):
             main_lincls.main(["--data", data, "--pretrained", pretrained, flag, value, "--workers", "0"])
