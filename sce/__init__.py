@@ -42,15 +42,17 @@ def temporary(path):
 
 
 def remove_stale(paths, mark, mine):
-    """Remove each of `paths` (NAME + mark + PID) of a process gone, or not named after a PID; `mine`: this process's
-    too (a file of its own write of the same name, which it is starting again)."""
+    """Remove each of `paths` (NAME + mark + PID) of a process gone (or one that started after the file was last
+    written: another that got its PID again), or not named after a PID; `mine`: this process's too (a file of its own
+    write of the same name, which it is starting again)."""
     for stale in paths:
         pid = stale.rsplit(mark, 1)[1]
-        if not pid.isdigit() or (mine and int(pid) == os.getpid()) or not alive(int(pid)):
-            try:
+        try:
+            if not pid.isdigit() or (mine and int(pid) == os.getpid()) or \
+                    not alive(int(pid), since=os.lstat(stale).st_mtime):
                 os.remove(stale)
-            except OSError:
-                pass
+        except OSError:  # gone meanwhile
+            pass
 
 
 def write_file(path, text):
@@ -67,13 +69,15 @@ def write_file(path, text):
         raise
 
 
-def alive(pid):
-    """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended). Here, without
-    torch: benchmarks/reproduction/reproduce_tools.py asks it too."""
+def alive(pid, since=None):
+    """Whether process `pid` runs on this machine (a zombie its parent has not reaped yet has ended); since: a time
+    (a file's mtime) it must have been running at: a process started later got the PID of one gone (Linux). Here,
+    without torch: benchmarks/reproduction/reproduce_tools.py asks it too."""
     if os.path.isdir("/proc"):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+                fields = f.read().rsplit(")", 1)[1].split()
+            return fields[0] != "Z" and (since is None or started(int(fields[19])) <= since + 2)  # btime's 1 s steps
         except FileNotFoundError:
             return False
         except OSError:  # reaped between the open and the read: ask the kernel
@@ -85,3 +89,10 @@ def alive(pid):
     except PermissionError:  # another user's
         return True
     return True
+
+
+def started(ticks):
+    """The time (epoch seconds) of a process start given in clock ticks since boot (/proc/PID/stat's 22nd field)."""
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -4,6 +4,7 @@ scripts, bound to the trunk and data it evaluates.
 The hold is an OS lock (flock) on DIR/.lock, kept open for the life of the run: the kernel releases it
 however the run ends (an error, kill -9, a lost node), so a stale lock never blocks the next run."""
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -12,7 +13,7 @@ import sys
 
 import torch
 
-from sce import UserError, write_file
+from sce import UserError, remove_stale, write_file
 
 LOCK = ".lock"
 EVALUATED = "evaluated.json"  # what the evaluation scripts' output folder holds results of
@@ -57,9 +58,15 @@ def same_path(a, b):
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+# what a writer killed mid-write leaves, by the mark before its PID: sce.temporary's, link_atomic's, prepare's
+LEFTOVERS = {".tmp": ".*.tmp[0-9]*", ".link": ".*.link[0-9]*", ".write_test": ".write_test[0-9]*"}
+
+
 class Lock:
     """Holds `path` for this process until release() (or the process's end). A folder another process holds is
-    a one-line error naming it; DIR/.lock says who holds it (PID, host, command)."""
+    a one-line error naming it; DIR/.lock says who holds it (PID, host, command). Once held, what writers killed
+    mid-write left there is removed (a checkpoint's temporary file or second name: its size), whether this run writes
+    again or not (a complete one does not)."""
 
     def __init__(self, path):
         self.fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
@@ -73,6 +80,8 @@ class Lock:
         command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:200]
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"PID {os.getpid()} on {socket.gethostname()}: {command}\n".encode(), 0)
+        for mark, pattern in LEFTOVERS.items():  # of processes gone, or whose PID another has now (remove_stale)
+            remove_stale(glob.glob(os.path.join(glob.escape(path), pattern)), mark, mine=False)
 
     def release(self):
         if self.fd is not None:

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -108,6 +110,30 @@ def test_one_run_per_output_folder(data, pretrained, tmp_path):
     finally:
         held.release()
     probe(data, pretrained, out, "--knn", "--knn-k", "5")  # released: the folder is free again
+
+
+def test_a_run_taking_its_folder_removes_what_killed_writers_left(tmp_path):
+    """A checkpoint's second name (.NAME.linkPID) or temporary file left by a kill -9 is removed as soon as a run
+    holds the folder (outdir.Lock), though it may write nothing there (a complete run), also when the PID runs again
+    as another process (started after the file was written); a live writer's file stays."""
+    out = tmp_path
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])  # a process that started before the file it writes
+    try:
+        time.sleep(0.1)
+        names = {"gone": f".checkpoint_0002.pth.link{dead.pid}", "reused": f".checkpoint_0003.pth.link{live.pid}",
+                 "temporary": f".checkpoint_last.pth.tmp{dead.pid}", "probe": f".write_test{dead.pid}",
+                 "live": f".checkpoint_0004.pth.link{live.pid}"}
+        for name in names.values():
+            (out / name).write_bytes(b"PK")
+        hour_ago = time.time() - 3600  # written before `live` started: by another process of that PID
+        os.utime(out / names["reused"], (hour_ago, hour_ago))
+        outdir.Lock(str(out)).release()
+        assert sorted(os.listdir(out)) == sorted([".lock", names["live"]])
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_a_knn_lost_after_the_last_checkpoint_is_completed_by_the_rerun(data, tmp_path, monkeypatch, capsys):
