@@ -89,14 +89,15 @@ def main(argv=None):
     cli.check_finite(args)
     if args.knn:
         args.classifier = "knn"
-    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--lr": args.lr, "--crop-size": args.crop_size,
-                "--print-freq": args.print_freq, "--milestones": min(args.milestones), "--knn-k": args.knn_k,
-                "--knn-t": args.knn_t, "--logreg-c": args.logreg_c, "--logreg-max-iter": args.logreg_max_iter,
-                "--dist-timeout": args.dist_timeout}
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--lr": args.lr,
+                "--crop-size": args.crop_size, "--print-freq": args.print_freq, "--milestones": min(args.milestones),
+                "--knn-k": args.knn_k, "--knn-t": args.knn_t, "--logreg-c": args.logreg_c,
+                "--logreg-max-iter": args.logreg_max_iter, "--dist-timeout": args.dist_timeout}
     at_least_zero = {"--workers": args.workers, "--weight-decay": args.weight_decay,
                      "--warmup-epochs": args.warmup_epochs}
-    cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})  # before the defaults: 0 is no
-    if not 0 < args.val_fraction < 1:  # default, it is refused
+    # before the defaults fill in: 0 is refused, not taken for "not given"
+    cli.check_ranges(positive, at_least_zero, {"--sgd-momentum": args.sgd_momentum})
+    if not 0 < args.val_fraction < 1:
         raise UserError(f"--val-fraction must lie between 0 and 1, both excluded (got {args.val_fraction})")
     cosine = args.schedule == "cosine"
     args.epochs = args.epochs if args.epochs is not None else (90 if cosine else 100)

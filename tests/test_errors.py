@@ -328,8 +328,8 @@ def test_bad_inputs_name_the_file(pretrained, data, tmp_path):
     with pytest.raises(UserError, match="--metric map11 does not fit --dataset imagefolder"):
         main_lincls.main(["--data", data, "--pretrained", pretrained, "--classifier", "logreg", "--metric", "map11",
                           "--workers", "0", "--output-dir", str(tmp_path)])
-    for flag, value, match in [("--print-freq", "0", "positive"), ("--knn-t", "0", "positive"), ("--lr", "-1", "positive"),
-                               ("--logreg-c", "-1", "positive")]:
+    for flag, value, match in [("--print-freq", "0", "positive"), ("--knn-t", "0", "positive"),
+                               ("--lr", "-1", "positive"), ("--logreg-c", "-1", "positive")]:
         with pytest.raises(UserError, match=f"{flag} must be {match}"):
             main_lincls.main(["--data", data, "--pretrained", pretrained, flag, value, "--workers", "0"])
     with pytest.raises(UserError, match="voc07 is multi-label: use --classifier logreg"):
