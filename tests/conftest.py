@@ -222,6 +222,17 @@ def sends_signal_at(signum, step):
     return loss_hook(lambda call, loss: os.kill(os.getpid(), signum) or loss if call == step else loss)
 
 
+class SendsWhenDeleted:
+    """An object whose finalizer sends `signum` to this process: the handler's raise lands there and Python drops
+    it (what a DataLoader iterator's teardown, an at-fork hook, did to the stops of issue 61)."""
+
+    def __init__(self, signum):
+        self.signum = signum
+
+    def __del__(self):
+        os.kill(os.getpid(), self.signum)
+
+
 def nan_losses(steps):
     """The loss is NaN at the given steps."""
     return loss_hook(lambda call, loss: loss * float("nan") if call in steps else loss)

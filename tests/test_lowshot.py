@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import exit_message, script_in_process
+from conftest import SendsWhenDeleted, exit_message, script_in_process
 from sce import UserError, cli
 from sce.data import read_voc07
 from sce.metrics import VOC_CLASSES, average_precision
@@ -336,3 +336,37 @@ def test_compiled_trunk_gives_the_eager_features_compiled_once(contract_run, pre
         pairs = ((tmp_path, name), (contract_run[0], eager))
         a, b = (torch.load(folder / f, weights_only=True)["features"] for folder, f in pairs)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_stop_dropped_in_an_svm_fit_stops_before_the_next_draw(contract_run, pretrained, voc, tmp_path, capsys,
+                                                                  monkeypatch):
+    """SIGTERM sent from a finalizer during the first draw's SVM fits (Python drops its raise there): the run stops
+    before the next draw, exit 75 and one line; the same command again gives the uninterrupted result."""
+    import signal
+    import sce.transfer
+    args = ["--data", voc[0], "--pretrained", pretrained, "--shots", "1", "--runs", "2", "--costs", "1",
+            "--workers", "0"]
+    for out in ("stopped", "whole"):
+        os.makedirs(tmp_path / out)
+        copy_feature_cache(contract_run[0], tmp_path / out)
+    real, fits = sce.transfer._svm, []
+
+    def stopped_once(*a):
+        fits.append(1)
+        if len(fits) == 1:
+            SendsWhenDeleted(signal.SIGTERM)
+        return real(*a)
+    with script_in_process():
+        with monkeypatch.context() as patch:
+            patch.setattr(sce.transfer, "_svm", stopped_once)
+            assert exit_message("main_lowshot.py", *args, "--output-dir", tmp_path / "stopped") == 75
+        said = capsys.readouterr().out
+        assert len(fits) == 20  # the first draw's 20 classes, not the second's
+        assert [line for line in said.splitlines() if "stopped by" in line] == [
+            "=> stopped by SIGTERM while fitting the SVMs: nothing to save; run the same command again to start it "
+            "again (exiting with code 75)"] and "Traceback" not in said
+        assert not os.path.exists(tmp_path / "stopped" / "lowshot.json")
+        for out in ("stopped", "whole"):
+            assert exit_message("main_lowshot.py", *args, "--output-dir", tmp_path / out) is None
+    rerun, whole = (json.load(open(tmp_path / out / "lowshot.json"))["results"] for out in ("stopped", "whole"))
+    assert rerun == whole

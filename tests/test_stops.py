@@ -12,24 +12,13 @@ import numpy as np
 import pytest
 from torch.utils.data import dataloader
 
-from conftest import exit_message, write_imagefolder
+from conftest import SendsWhenDeleted, exit_message, write_imagefolder
 from sce import entry, knn, preemption, transfer
 from sce.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.usefixtures("in_process")  # conftest: one thread, signal handlers and workers restored
 
 SIGNALS = [signal.SIGTERM, signal.SIGINT]
-
-
-class SendsWhenDeleted:
-    """An object whose finalizer sends `signum` to this process: the handler's raise lands there and Python drops
-    it (what a DataLoader iterator's teardown, an at-fork hook, did to the stops of issue 61)."""
-
-    def __init__(self, signum):
-        self.signum = signum
-
-    def __del__(self):
-        os.kill(os.getpid(), self.signum)
 
 
 def send_at(monkeypatch, owner, name, signum, call=1, dropped=False):
