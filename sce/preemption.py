@@ -135,7 +135,7 @@ def safe_points(phase, record_only=True):
     the start-up handler records a stop without raising it (a raise inside a DataLoader's start or teardown would be
     dropped or leave a broken iterator); a second Ctrl-C still stops at once. record_only=False: the handler raises
     too (a long fit stops at once), and the safe points stop what a finalizer dropped. `phase`: what the stop line
-    says it stopped, e.g. "extracting the train features"."""
+    says it stopped, e.g. "extracting the train features" (None: the start-up)."""
     _phases.append((phase, record_only))
     try:
         yield

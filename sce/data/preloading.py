@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torchvision.transforms.functional as TF
 
-from sce import UserError
+from sce import UserError, preemption
 from sce.compiling import error_line
 from sce.data.images import Encoded, UnreadableImage, decode_rgb_tensor, image_path, skip_unreadable
 from sce.distributed import device_memory
@@ -130,6 +130,11 @@ def _decode_all(dataset, shape, workers, transform, what):
     """(uint8 tensor (N, *shape), {index: reason} of unreadable images) decoded by `workers` processes with a
     progress line, or (None, reason) when an image has another size. A failing worker (killed, out of file
     descriptors) ends the run with one line."""
+    with preemption.safe_points(None):  # a stop (start-up's) between its batches, not inside its loader's start
+        return _decode_batches(dataset, shape, workers, transform, what)
+
+
+def _decode_batches(dataset, shape, workers, transform, what):
     images = torch.empty((len(dataset),) + shape, dtype=torch.uint8)
     bad, progress, shown = {}, Progress(len(dataset)), time.time()
     loader = torch.utils.data.DataLoader(_Decoded(dataset, transform), batch_size=256, num_workers=workers,
@@ -144,6 +149,7 @@ def _decode_all(dataset, shape, workers, transform, what):
             raise UserError(f"decoding the {what} to preload them failed in a loader worker ({error_line(e)}): retry "
                             f"with fewer --workers (now {workers}), raise the open-file limit (ulimit -n), or use "
                             "--preload off") from None
+        preemption.check()
         if batch is None:
             return images, bad
         index, decoded, bad_here, other = batch
