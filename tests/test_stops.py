@@ -205,3 +205,37 @@ def test_a_stop_in_the_demos_untrained_knn_exits_75_and_the_rerun_is_whole(signu
 
 
 DEMO_LAST = {}  # the last line of the demo run whole ("whole"), and of the stopped one run again ("demo")
+
+
+def test_within_a_phase_a_stop_waits_for_its_check_and_a_second_ctrl_c_does_not():
+    """In safe_points the start-up handler records: the phase goes on to its check (SIGTERM twice is one request);
+    a second Ctrl-C raises at once. A child forked before its own handlers (a loader worker before its
+    worker_init_fn) ignores the stop: its parent honours it."""
+    preemption.stop_during_startup()
+    try:
+        reached = []
+        with pytest.raises(preemption.Stopped) as stopped:
+            with preemption.safe_points("extracting the test features"):
+                for signum in (signal.SIGTERM, signal.SIGTERM):
+                    os.kill(os.getpid(), signum)
+                    reached.append(signum)
+        assert reached == [signal.SIGTERM] * 2 and stopped.value.line().startswith(
+            "=> stopped by SIGTERM while extracting the test features")
+        with pytest.raises(preemption.Stopped):
+            with preemption.safe_points("extracting the test features"):
+                os.kill(os.getpid(), signal.SIGINT)  # after the SIGTERMs: a second stop, Ctrl-C
+                reached.append(signal.SIGINT)
+        assert reached == [signal.SIGTERM] * 2
+        preemption.forget()
+        preemption.stop_during_startup()
+        child = os.fork()
+        if child == 0:  # the child leaves at once, whatever happens: 0 if it ignored the stop
+            code = 4  # raised
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                code = 0 if preemption.received() is None else 3
+            finally:
+                os._exit(code)
+        assert os.waitpid(child, 0)[1] == 0 and preemption.received() is None
+    finally:
+        preemption.forget()
