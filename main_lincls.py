@@ -15,7 +15,7 @@ import torch
 
 from sce import UserError, cli, data, entry, events, outdir, preemption, timing, transfer
 from sce import distributed as du
-from sce.checkpoint import Writer, load_trunk, refuse_fewer_epochs, require
+from sce.checkpoint import Writer, check_trunk, load_trunk, refuse_fewer_epochs, require
 from sce.compiling import Log, resolve_compile
 from sce.frozen import load_frozen, split_features
 from sce.knn import knn_accuracy
@@ -121,6 +121,9 @@ def main(argv=None):
     source = args.resume or args.pretrained
     if not source:
         raise UserError("pass --pretrained CHECKPOINT (or --resume a main_lincls.py checkpoint)")
+    if args.pretrained and not args.resume:  # the file and its input size checked before the output folder is made
+        _, small_input, recorded = check_trunk(args.pretrained, args.arch, args.small_input, args.encoder)
+        data.eval_crop_size(args.crop_size, small_input, recorded, args.dataset)
     outdir.prepare(args.output_dir)  # every rank, before any work: none waits for one that stopped
 
     _, _, _, device = du.init(timeout_s=args.dist_timeout)

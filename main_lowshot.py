@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from sce import UserError, cli, data, entry, outdir, preemption, transfer
+from sce.checkpoint import check_trunk
 from sce.compiling import resolve_compile
 from sce.frozen import load_frozen, split_features
 
@@ -93,6 +94,9 @@ def main(argv=None):
     if args.cost_selection == "cv" and any(k != "full" and k < 2 for k in args.shots):
         raise UserError("--cost-selection cv cross-validates on the training draw and needs --shots >= 2 "
                         "(or 'full')")
+    # the file and its input size checked before the output folder is made
+    _, small_input, recorded = check_trunk(args.pretrained, args.arch, args.small_input, args.encoder)
+    data.eval_crop_size(args.crop_size, small_input, recorded, "voc07")
     outdir.prepare(args.output_dir)  # an unwritable one stops here, not after the features
     lock = outdir.Lock(args.output_dir)  # one run per folder, for its whole life
     try:

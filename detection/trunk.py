@@ -8,27 +8,15 @@ import torchvision
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sce import UserError  # noqa: E402
-from sce.checkpoint import checkpoint_arch, load, trunk_state_dict  # noqa: E402
-
-# blocks per stage (layer1..layer4) -> depth; bottleneck and basic ResNets share some counts
-BOTTLENECK_DEPTHS = {(3, 4, 6, 3): 50, (3, 4, 23, 3): 101, (3, 8, 36, 3): 152}
-BASIC_DEPTHS = {(2, 2, 2, 2): 18, (3, 4, 6, 3): 34}
-
-
-def blocks_per_stage(state, path):
-    counts = []
-    for stage in range(1, 5):
-        ids = {int(k.split(".")[1]) for k in state
-               if k.startswith(f"layer{stage}.") and k.split(".")[1].isdigit()}
-        if not ids:
-            raise UserError(f"{path} holds a ResNet trunk without layer{stage}: not a full ResNet")
-        counts.append(max(ids) + 1)
-    return tuple(counts)
+from sce.checkpoint import checkpoint_arch, load, read_as, trunk_state_dict  # noqa: E402
+from sce.foreign import BASIC_DEPTHS, BOTTLENECK_DEPTHS, blocks_per_stage  # noqa: E402
 
 
 def describe(state, path):
     """'ResNet-18', 'ResNet-50', ... or a description of an unknown layout."""
-    counts = blocks_per_stage(state, path)
+    counts = blocks_per_stage(state)
+    if 0 in counts:
+        raise UserError(f"{path} holds a ResNet trunk without layer{counts.index(0) + 1}: not a full ResNet")
     bottleneck = "layer1.0.conv3.weight" in state
     depth = (BOTTLENECK_DEPTHS if bottleneck else BASIC_DEPTHS).get(counts)
     if depth:
@@ -45,6 +33,12 @@ def read_resnet_trunk(path, encoder="online", depth=50, depth_flag=False):
     ckpt = load(path)
     state = trunk_state_dict(ckpt, path, encoder)
     arch, small_input = checkpoint_arch(ckpt)
+    if read_as(ckpt, path, encoder):  # another code's file: what was read
+        print(read_as(ckpt, path, encoder))
+    if ckpt.get("normalize"):
+        mean, std = ckpt["normalize"]
+        print(f"note: {path} records inputs normalised with mean {mean} std {std}: give the detector those "
+              "(detectron2's MODEL.PIXEL_MEAN / PIXEL_STD are x255)")
     conv1 = tuple(state["conv1.weight"].shape)
     if small_input or conv1[-1] != 7:
         raise UserError(f"{path} holds a small-input trunk (conv1 {'x'.join(map(str, conv1[-2:]))}, "

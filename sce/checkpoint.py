@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from sce import UserError, temporary
+from sce import UserError, foreign, temporary, unpickling
 from sce.builder import build_trunk
 from sce.compiling import error_line
 from sce.timing import Stopwatch
@@ -219,8 +219,12 @@ def numbered_checkpoints(output_dir):
             if re.fullmatch(r"checkpoint_\d+\.pth", os.path.basename(p))]
 
 
-def load(path):
-    """Load a checkpoint on the CPU with weights_only=True (no arbitrary code runs)."""
+def load(path, lazy=False):
+    """A checkpoint read on the CPU whatever device saved it, running none of its code: ours and plain state dicts
+    with torch.load(weights_only=True); a zip holding other codes' objects (the SCE authors' Lightning files:
+    omegaconf's configs) with sce.unpickling, within its bound on objects, those of other codes (sce.foreign) read
+    as {"kind": "foreign", ...}. lazy: a zip's tensors left unread (sce.unpickling.Stored: their shapes known), to
+    check a file before any work."""
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path} is a directory, not a file: pass the checkpoint in it, e.g. "
                         f"{os.path.join(path, 'checkpoint_last.pth')}")
@@ -232,6 +236,41 @@ def load(path):
         shown = head[:24].decode("ascii", "replace").splitlines()[0] if head.strip() else "nothing"
         raise UserError(f"{path} is not a PyTorch checkpoint (it begins {shown!r}, not as a file of torch.save): "
                         "pass the checkpoint_last.pth of a run")
+    if head.startswith(b"PK"):
+        read = _read_zip(path, lazy)
+        if read is not None:
+            return read
+    return _torch_load(path)
+
+
+def _read_zip(path, lazy):
+    """The inert read of a torch zip (sce.unpickling): another code's file in our form, its trunks' tensors read
+    unless `lazy`; the inert read itself where `lazy` and the file is ours or a plain state dict (its tensors
+    Stored), else None (torch.load reads it, and names what is damaged)."""
+    try:
+        obj, placeholders = unpickling.Archive(path).load()
+        found = foreign.recognise(obj, path)
+    except unpickling.Refused as e:
+        raise UserError(f"{path} is not read: {e}") from None
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001: a cut or damaged zip or pickle: torch.load says what it finds
+        return None
+    if found is not None:
+        if not lazy:
+            found["trunks"] = {k: v and unpickling.tensors(v) for k, v in found["trunks"].items()}
+        return found
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} holds a {type(obj).__name__}, expected a checkpoint dict")
+    outside = sorted(n for n in placeholders if not n.startswith("torch."))
+    if outside:  # no layout we know: torch.load would refuse it too
+        raise UserError(f"{path} is not a checkpoint we read: it holds objects of {', '.join(outside[:3])} and no "
+                        f"trunk under a prefix we know ({', '.join(p for p, _, _ in foreign.PREFIXES[:5])}, ...): "
+                        "extract its ResNet's state dict (torchvision names) with the code that wrote it")
+    return obj if lazy else None
+
+
+def _torch_load(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -259,8 +298,14 @@ def trunk_state_dict(ckpt, path="checkpoint", encoder="online"):
     if kind == "pretrain":
         prefix = "encoder." if encoder == "online" else "momentum_encoder."
         state = _strip(ckpt["model"], prefix)
+    elif kind == "foreign":
+        state = ckpt["trunks"][encoder]
+        if state is None:
+            raise UserError(f"{path} ({ckpt['what']}) holds no momentum trunk ({ckpt['prefixes'][1]}): evaluate its "
+                            "online trunk (--encoder online)")
     elif encoder != "online":
-        raise UserError(f"{path} has no momentum encoder: only main_pretrain.py checkpoints do")
+        raise UserError(f"{path} has no momentum encoder: only main_pretrain.py checkpoints and other codes' with one "
+                        "do")
     elif kind == "lincls":
         state = ckpt["model"]
     else:  # a plain state dict, possibly wrapped as {"state_dict": ...} or saved from DDP
@@ -269,35 +314,88 @@ def trunk_state_dict(ckpt, path="checkpoint", encoder="online"):
             state = _strip(state, "module.")
     if not isinstance(state, dict) or "conv1.weight" not in state or "layer1.0.conv1.weight" not in state:
         raise UserError(f"{path} holds no torchvision-style ResNet trunk (expected keys conv1.weight, "
-                        "layer1.0.conv1.weight, ...): pass a main_pretrain.py or main_lincls.py "
-                        "checkpoint or a torchvision ResNet state dict")
+                        "layer1.0.conv1.weight, ...; other codes' under the prefixes of docs/published-weights.md): "
+                        "pass a main_pretrain.py or main_lincls.py checkpoint or a torchvision ResNet state dict")
     return {k: v for k, v in state.items() if not k.startswith("fc.")}
 
 
 def checkpoint_arch(ckpt):
-    """(arch, small_input) recorded in our checkpoints, or (None, None) for plain state dicts."""
+    """(arch, small_input) recorded in our checkpoints (other codes': read from their weights), or (None, None) for
+    plain state dicts."""
     args = ckpt.get("args") or {}
     return args.get("arch"), args.get("small_input")
 
 
-def load_trunk(path, arch=None, small_input=None, encoder="online"):
-    """Build the trunk and load it strictly from `path`; returns (trunk, feat_dim, ckpt).
-    arch/small_input default to what the checkpoint recorded."""
-    ckpt = load(path)
+def read_as(ckpt, path, encoder):
+    """The line saying what another code's file was read as ('=> X.ckpt: the SCE authors' Lightning checkpoint,
+    epoch 99, resnet50, online trunk'), None for ours and plain state dicts."""
+    if ckpt.get("kind") != "foreign":
+        return None
+    args = ckpt["args"]
+    return (f"=> {path}: {ckpt['what']}, {foreign.describe_arch(args['arch'], args['small_input'])}, {encoder} trunk "
+            f"({ckpt['prefixes'][encoder != 'online']})")
+
+
+def trunk_spec(ckpt, path, arch=None, small_input=None, encoder="online"):
+    """(state, arch, small_input) of the trunk `ckpt` holds, its names and shapes checked against the arch's (no
+    tensor is read: a lazy load's Stored will do). arch / small_input default to what the checkpoint recorded,
+    else to what its weights' shapes say."""
     state = trunk_state_dict(ckpt, path, encoder)
     saved_arch, saved_small = checkpoint_arch(ckpt)
-    arch = arch or saved_arch or "resnet50"
+    found_arch, found_small = foreign.resnet_arch(state)
+    if saved_arch and arch and saved_arch != arch:
+        raise UserError(f"{path} holds a {saved_arch} trunk but --arch {arch} was given: pass --arch {saved_arch}")
+    if found_arch and arch and found_arch != arch:
+        raise UserError(f"{path} holds a {found_arch} trunk (from its weights' shapes) but --arch {arch} was given: "
+                        f"pass --arch {found_arch}")
+    arch = arch or saved_arch or found_arch or "resnet50"
     if small_input is None:
-        small_input = bool(saved_small) if saved_small is not None else state["conv1.weight"].shape[-1] == 3
-    if saved_arch and saved_arch != arch:
-        raise UserError(f"{path} holds a {saved_arch} trunk but --arch {arch} was given: "
-                        f"pass --arch {saved_arch}")
-    trunk, feat_dim = build_trunk(arch, small_input)
-    expected = trunk.state_dict()
-    mismatch = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
+        small_input = bool(saved_small) if saved_small is not None else found_small
+    with torch.device("meta"):  # the arch's names and shapes, nothing allocated
+        expected = build_trunk(arch, small_input)[0].state_dict()
+    mismatch = [k for k in expected if k not in state or tuple(state[k].shape) != tuple(expected[k].shape)]
     if mismatch or len(state) != len(expected):
         raise UserError(f"{path} does not fit a {arch}{' (small input)' if small_input else ''} "
                         f"trunk (first differing key: {(mismatch or sorted(set(state) - set(expected)))[0]}): "
                         "pass the --arch (and --small-input) the checkpoint was trained with")
+    return state, arch, small_input
+
+
+def check_trunk(path, arch=None, small_input=None, encoder="online"):
+    """`path` checked as load_trunk will read it, its tensors left unread (before an output folder is made): returns
+    (arch, small_input, the args the checkpoint recorded)."""
+    ckpt = load(path, lazy=True)
+    _, arch, small_input = trunk_spec(ckpt, path, arch, small_input, encoder)
+    return arch, small_input, ckpt.get("args") if isinstance(ckpt.get("args"), dict) else None
+
+
+def renormalize(trunk, mean, std):
+    """The trunk's inputs, normalised with ImageNet's statistics by the data path, normalised with (mean, std) instead,
+    those it was trained with: an exact per-channel affine map before conv1 (non-persistent buffers: its state dict
+    is unchanged)."""
+    from sce.data.ops import MEAN, STD
+    mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    trunk.register_buffer("input_scale", torch.tensor(STD).view(1, 3, 1, 1) / std, persistent=False)
+    trunk.register_buffer("input_shift", (torch.tensor(MEAN).view(1, 3, 1, 1) - mean) / std, persistent=False)
+    trunk.register_forward_pre_hook(lambda module, args: (args[0] * module.input_scale + module.input_shift,
+                                                          *args[1:]))
+
+
+def load_trunk(path, arch=None, small_input=None, encoder="online", say=True):
+    """Build the trunk and load it strictly from `path`; returns (trunk, feat_dim, ckpt).
+    arch/small_input default to what the checkpoint recorded, else to what its weights' shapes say. Another code's
+    file: its line said (`say`, on the main process), and its recorded input normalisation applied (renormalize)."""
+    ckpt = load(path)
+    state, arch, small_input = trunk_spec(ckpt, path, arch, small_input, encoder)
+    trunk, feat_dim = build_trunk(arch, small_input)
     trunk.load_state_dict(state)
+    said = say and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+    if said and read_as(ckpt, path, encoder):
+        print(read_as(ckpt, path, encoder), flush=True)
+    normalize = ckpt.get("normalize") if ckpt.get("kind") == "foreign" else None
+    if normalize:
+        renormalize(trunk, *normalize)
+        if said:
+            print(f"=> its inputs normalised with mean {normalize[0]} std {normalize[1]}, as {path} records for its "
+                  "training (ImageNet's statistics otherwise)", flush=True)
     return trunk, feat_dim, ckpt

@@ -12,6 +12,7 @@ import torch.nn as nn
 from sce import preemption
 from sce.checkpoint import checkpoint_arch, load_trunk, save_atomic
 from sce.compiling import Log, compile_module
+from sce.foreign import resnet_arch
 from sce.knn import extract_features, padded
 
 
@@ -39,7 +40,7 @@ def load_frozen(path, arch=None, small_input=None, encoder="online", device=torc
     """The Frozen trunk of checkpoint `path` (arch, small_input: None for the checkpoint's), on `device` in eval mode,
     torch.compile'd when `compile` (a failed compile warns and runs it eagerly)."""
     trunk, feat_dim, ckpt = load_trunk(path, arch, small_input, encoder)
-    arch = arch or checkpoint_arch(ckpt)[0] or "resnet50"
+    arch = arch or checkpoint_arch(ckpt)[0] or resnet_arch(trunk.state_dict())[0]  # load_trunk's, from the shapes
     trunk.to(device).eval()
     if compile:
         compile_module(trunk, "trunk", compiles or Log())

@@ -314,7 +314,6 @@ def test_logreg_script_says_fits_did_not_converge(pretrained, folder, tmp_path, 
     (None, True, 32, "imagefolder", 32),  # small-input trunk: its pretraining size
     (None, True, 16, "cifar10", 16),  # the recorded size wins over the dataset's native one
     (None, True, None, "cifar10", 32),  # nothing recorded (a plain state dict): the native size, as before
-    (None, True, None, "imagefolder", 224),  # ... and 224 for an ImageFolder, as before
     (None, False, 64, "imagefolder", 224),  # ImageNet stem: the protocol's 224
     (None, False, None, "stl10", 96),
     (48, True, 32, "imagefolder", 48),  # given: used
@@ -323,6 +322,14 @@ def test_the_input_size_rule(given, small, recorded, dataset, size):
     ckpt_args = {"crop_size": recorded} if recorded else None
     got, why, warning = eval_crop_size(given, small, ckpt_args, dataset)
     assert got == size and why and warning is None
+
+
+def test_a_small_input_trunk_of_no_known_size_is_refused():
+    """A small-input trunk whose file records no crop size, on data of no native size: refused naming --crop-size,
+    never evaluated at 224 px."""
+    with pytest.raises(UserError, match=r"a small-input trunk whose file records no crop size, on --dataset "
+                                        r"imagefolder \(no native size\): pass --crop-size"):
+        eval_crop_size(None, True, None, "imagefolder")
 
 
 def test_a_size_far_from_pretraining_warns():

@@ -39,8 +39,8 @@ def eval_crop_size(given, small_input, ckpt_args=None, dataset="imagefolder"):
     """The input size of an evaluation and why: (size, reason, warning or None).
 
     A small-input trunk (3x3 stride-1 stem) is evaluated at the crop size it was pretrained with, as recorded
-    in its checkpoint, else at its dataset's native size; an ImageNet-stem trunk at the native size of a
-    built-in dataset, else at the protocol's 224. A --crop-size given for a small-input trunk more than 2x away
+    in its checkpoint, else at its dataset's native size, else it is refused (a --crop-size is needed); an
+    ImageNet-stem trunk at the native size of a built-in dataset, else at the protocol's 224. A --crop-size given for a small-input trunk more than 2x away
     from its pretraining size is allowed, with a warning."""
     recorded = (ckpt_args or {}).get("crop_size") if small_input else None
     if given:
@@ -53,6 +53,9 @@ def eval_crop_size(given, small_input, ckpt_args=None, dataset="imagefolder"):
     native = DATASETS[dataset].native_size if dataset in DATASETS else None  # the paper evaluates it at it
     if native:
         return native, f"the native size of {dataset}", None
+    if small_input:  # 224 px would be another scale than it learned, and 49x slower: never silently
+        raise UserError(f"a small-input trunk whose file records no crop size, on --dataset {dataset} (no native "
+                        "size): pass --crop-size, the size it was pretrained at (32 CIFAR, 96 STL10, 64 Tiny-ImageNet)")
     return 224, "the protocol's 224", None
 
 

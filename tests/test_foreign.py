@@ -1,0 +1,270 @@
+"""Other codes' checkpoints (the SCE authors' Lightning files, MoCo, DINO-style, solo-learn) read without running
+their code, and ours written in the SCE authors' format."""
+import argparse
+import collections
+import os
+import sys
+import types
+import typing
+
+import pytest
+import torch
+import torchvision
+from conftest import write_imagefolder
+
+import main_lincls
+import main_lowshot
+from sce import UserError, entry
+from sce.checkpoint import check_trunk, load_trunk
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # eztorch/transforms/utils.py
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CALLS = []  # what a stand-in of omegaconf's classes would record if a reader built one
+
+
+class _Config:
+    """What omegaconf's containers pickle: protocol 2's NEWOBJ then BUILD of their __dict__ (basecontainer.py's
+    __getstate__): _metadata, _parent, _content (DictConfig) or _val (a node)."""
+
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        CALLS.append(type(self).__name__)
+
+
+def _stand_ins():
+    """Modules omegaconf.dictconfig, .base and .nodes holding stand-ins of DictConfig, ContainerMetadata, Metadata
+    and AnyNode, under their names (pickle writes a class by its module and name)."""
+    made = {}
+    for module, names in [("omegaconf.dictconfig", ["DictConfig"]), ("omegaconf.base", ["ContainerMetadata",
+                                                                                          "Metadata"]),
+                          ("omegaconf.nodes", ["AnyNode"])]:
+        mod = types.ModuleType(module)
+        for name in names:
+            cls = type(name, (_Config,), {"__module__": module, "__qualname__": name})
+            setattr(mod, name, cls)
+            made[name] = cls
+        sys.modules[module] = mod
+    sys.modules["omegaconf"] = types.ModuleType("omegaconf")
+    return made
+
+
+def _config(classes, values, parent=None):
+    """A DictConfig stand-in of `values` (nested dicts become DictConfigs), its nodes AnyNodes, as OmegaConf.create
+    makes them: metadata with typing.Any and a collections.defaultdict resolver cache."""
+    cfg = classes["DictConfig"]()
+    meta = classes["ContainerMetadata"]()
+    meta.__dict__.update(ref_type=typing.Any, object_type=dict, optional=True, key=None, flags={}, flags_root=False,
+                         resolver_cache=collections.defaultdict(dict), key_type=typing.Any, element_type=typing.Any)
+    content = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            content[key] = _config(classes, value, cfg)
+        else:
+            node = classes["AnyNode"]()
+            node_meta = classes["Metadata"]()
+            node_meta.__dict__.update(ref_type=typing.Any, object_type=None, optional=True, key=key, flags=None)
+            node.__dict__.update(_metadata=node_meta, _parent=cfg, _val=value)
+            content[key] = node
+    cfg.__dict__.update(_metadata=meta, _parent=parent, _content=content)
+    return cfg
+
+
+def authors_trunk(arch, small_input):
+    """eztorch.models.trunks.create_resnet(name, num_classes=0, small_input): torchvision's ResNet, fc an
+    Identity, a small input's conv1 3x3 stride 1 and no max-pool."""
+    trunk = getattr(torchvision.models, arch)(weights=None)
+    trunk.fc = torch.nn.Identity()
+    if small_input:
+        trunk.conv1 = torch.nn.Conv2d(3, trunk.conv1.out_channels, 3, 1, 1, bias=False)
+        trunk.maxpool = torch.nn.Identity()
+    return trunk
+
+
+def write_authors_checkpoint(path, arch="resnet18", small_input=True, stated=None, cuda=False, seed=0):
+    """A file as the SCE authors' run/pretrain.py and Lightning 1.7.7's ModelCheckpoint write it: its top-level keys,
+    the weights under state_dict (trunk., momentum_trunk., projector., momentum_projector., predictor., queue,
+    queue_ptr), hyper_parameters holding omegaconf DictConfigs (the trunk's name and small_input, the transforms'
+    CIFAR-10 normalisation); `cuda`: its storages tagged as a GPU run's. Returns (online trunk, momentum trunk).
+    stated: the trunk settings it says, if not those of its weights."""
+    torch.manual_seed(seed)
+    online, momentum = authors_trunk(arch, small_input), authors_trunk(arch, small_input)
+    for trunk in (online, momentum):  # BN statistics that are not the defaults
+        for m in trunk.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    state = collections.OrderedDict()
+    state.update({f"trunk.{k}": v for k, v in online.state_dict().items()})
+    state.update({f"momentum_trunk.{k}": v for k, v in momentum.state_dict().items()})
+    for head in ("projector", "momentum_projector", "predictor"):
+        state[f"{head}.layers.0.weight"] = torch.randn(16, 512)
+    state["queue"], state["queue_ptr"] = torch.randn(16, 32), torch.zeros(1, dtype=torch.long)
+    classes = _stand_ins()
+    try:
+        trunk_cfg = dict({"_target_": "eztorch.models.trunks.create_resnet", "name": arch, "num_classes": 0,
+                          "small_input": small_input}, **(stated or {}))
+        normalize = {"_target_": "eztorch.transforms.Normalize", "mean": list(CIFAR_MEAN), "std": list(CIFAR_STD)}
+        hparams = {"trunk": _config(classes, trunk_cfg),
+                   "optimizer": _config(classes, {"name": "sgd", "initial_lr": 0.06}),
+                   "train_transform": _config(classes, {"_target_": "Compose", "transforms": {"0": normalize}}),
+                   "normalize_outputs": True, "num_global_crops": 2}
+        ckpt = {"epoch": 199, "global_step": 39000, "pytorch-lightning_version": "1.7.7", "state_dict": state,
+                "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"current": {"completed": 199}}}},
+                "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_path": "", "dirpath": "/x"}},
+                "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.06, "params": [0]}]}],
+                "lr_schedulers": [{"last_epoch": 199}], "hparams_name": "kwargs", "hyper_parameters": hparams}
+        tag = torch.serialization.location_tag
+        if cuda:
+            torch.serialization.location_tag = lambda storage: "cuda:0"
+        try:
+            torch.save(ckpt, path)
+        finally:
+            torch.serialization.location_tag = tag
+    finally:
+        for name in [m for m in sys.modules if m == "omegaconf" or m.startswith("omegaconf.")]:
+            del sys.modules[name]
+    return online.eval(), momentum.eval()
+
+
+def normalized(x, mean, std):
+    return (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
+class Imports:
+    """A finder on sys.meta_path recording the imports asked for (omegaconf's, were a reader to import it)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def find_spec(self, name, path=None, target=None):
+        self.asked.append(name)
+        return None
+
+
+@pytest.fixture
+def imports():
+    finder = Imports()
+    sys.meta_path.insert(0, finder)
+    CALLS.clear()
+    yield finder
+    sys.meta_path.remove(finder)
+
+
+def test_the_authors_lightning_checkpoint_reads_as_their_trunk(tmp_path, imports, capsys):
+    """A small-input ResNet-18 file of the authors' code: read with nothing of omegaconf imported or built, on the
+    CPU whatever device saved it (its storages a GPU's); the online trunk (the momentum one with --encoder momentum) gives the features
+    of their own trunk built from the same weights, fed the CIFAR-10 normalisation their file records (ours
+    feeds ImageNet's: the trunk re-normalises); one line says what was read."""
+    path = tmp_path / "epoch=199.ckpt"
+    online, momentum = write_authors_checkpoint(path, cuda=True)
+    assert check_trunk(str(path)) == ("resnet18", True, {"arch": "resnet18", "small_input": True})
+    x = torch.rand(2, 3, 8, 8)
+    for encoder, theirs in (("online", online), ("momentum", momentum)):
+        trunk, feat_dim, _ = load_trunk(str(path), encoder=encoder)
+        trunk.eval()
+        with torch.no_grad():
+            ours, expected = trunk(normalized(x, IMAGENET_MEAN, IMAGENET_STD)), theirs(normalized(x, CIFAR_MEAN, CIFAR_STD))
+        assert feat_dim == 512 and (ours - expected).abs().max() < 1e-4, (ours - expected).abs().max()
+        prefix = "trunk." if encoder == "online" else "momentum_trunk."
+        assert f"=> {path}: the SCE authors' Lightning checkpoint, epoch 199, resnet18 (small input), {encoder} trunk " \
+               f"({prefix})" in capsys.readouterr().out
+    assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
+
+
+def as_user_runs(main, argv):
+    """The script's own entry: what it exits with (None: it ran through; an error: its line)."""
+    try:
+        entry.run(lambda: main(argv))
+    except SystemExit as done:
+        return done.code
+    return None
+
+
+class RunsCode:
+    """Unpickled, calls `call(*args)`: what a crafted checkpoint carries."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+@pytest.fixture(scope="module")
+def r18():
+    """A small-input ResNet-18's state dict (torchvision names), BN statistics not the defaults."""
+    torch.manual_seed(0)
+    state = authors_trunk("resnet18", True).state_dict()
+    for k, v in state.items():
+        if k.endswith("running_mean"):
+            v.uniform_(-0.1, 0.1)
+    return state
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path, r18):
+    """A checkpoint whose pickle would call os.system: one line naming the call, nothing run, no output folder."""
+    marker, out = tmp_path / "marker", tmp_path / "o"
+    torch.save({"state_dict": {f"trunk.{k}": v for k, v in r18.items()}, "hyper_parameters": {
+        "trunk": RunsCode(os.system, f"touch {marker}")}}, tmp_path / "crafted.ckpt")
+    data = write_imagefolder(tmp_path / "data", 2, 2, 8)
+    message = as_user_runs(main_lincls.main, ["--data", data, "--pretrained", str(tmp_path / "crafted.ckpt"),
+                                              "--knn", "--output-dir", str(out)])
+    assert message == (f"error: {tmp_path / 'crafted.ckpt'} is not read: it would call {os.system.__module__}.system "
+                       "(a pickle that runs code; nothing was run)"), message
+    assert not marker.exists() and not out.exists()
+
+
+def test_a_small_input_trunk_of_no_known_size_is_refused_before_any_folder(tmp_path, imports):
+    """The authors' CIFAR trunk on an ImageFolder (main_lincls.py) or VOC07 (main_lowshot.py), no --crop-size: one
+    line naming --crop-size, the output folder not made (the file read first)."""
+    path = tmp_path / "epoch=199.ckpt"
+    write_authors_checkpoint(path)
+    data = write_imagefolder(tmp_path / "data", 2, 2, 8)
+    for main in (main_lincls.main, main_lowshot.main):
+        message = as_user_runs(main, ["--data", data, "--pretrained", str(path), "--output-dir", str(tmp_path / "o")])
+        assert message.startswith("error: a small-input trunk whose file records no crop size, on --dataset ") and \
+            "pass --crop-size" in message, message
+        assert not (tmp_path / "o").exists()
+    assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
+
+
+def test_other_codes_checkpoints_give_their_trunks(tmp_path, r18, capsys):
+    """MoCo v2 / v3, DINO-style (student / teacher, an argparse.Namespace of args) and solo-learn files holding a
+    ResNet: their online and momentum trunks read, arch and stem from the weights, each prefix named in its line;
+    an arch the file states otherwise is refused."""
+    other = dict(r18, **{"conv1.weight": r18["conv1.weight"] + 1})  # the momentum trunk: its own conv1
+    head = {"fc.0.weight": torch.zeros(4, 512), "fc.2.weight": torch.zeros(2, 4)}
+
+    def under(prefix, state):
+        return {f"{prefix}{k}": v for k, v in {**state, **head}.items()}
+    layouts = [
+        ({"epoch": 200, "arch": "resnet18", "state_dict": {**under("module.encoder_q.", r18),
+                                                           **under("module.encoder_k.", other)}},
+         "module.encoder_q.", "module.encoder_k."),
+        ({"epoch": 300, "arch": "resnet18", "state_dict": {**under("module.base_encoder.", r18),
+                                                           **under("module.momentum_encoder.", other)}},
+         "module.base_encoder.", "module.momentum_encoder."),
+        ({"student": under("backbone.", r18), "teacher": under("backbone.", other), "epoch": 100,
+          "args": argparse.Namespace(arch="resnet18")}, "student/backbone.", "teacher/backbone."),
+        ({"student": under("module.backbone.", r18), "teacher": under("module.backbone.", other)},
+         "student/module.backbone.", "teacher/module.backbone."),
+        ({"pytorch-lightning_version": "2.0.0", "epoch": 999, "state_dict": {
+            **under("backbone.", r18), **under("momentum_backbone.", other)}}, "backbone.", "momentum_backbone.")]
+    path = str(tmp_path / "other.pth")
+    for ckpt, online, momentum in layouts:
+        torch.save(ckpt, path)
+        assert check_trunk(path)[:2] == ("resnet18", True)
+        for encoder, prefix, state in (("online", online, r18), ("momentum", momentum, other)):
+            trunk = load_trunk(path, encoder=encoder)[0]
+            assert all(torch.equal(v, state[k]) for k, v in trunk.state_dict().items())
+            line = capsys.readouterr().out
+            assert f"resnet18 (small input), {encoder} trunk ({prefix})" in line, line
+        if "arch" in ckpt or "args" in ckpt:
+            ckpt["arch" if "arch" in ckpt else "args"] = "resnet50" if "arch" in ckpt else argparse.Namespace(
+                arch="resnet50")
+            torch.save(ckpt, path)
+            with pytest.raises(UserError, match=r"says its trunk is a resnet50 \(small input\) but its weights are "
+                                                r"those of a resnet18 \(small input\): the file is inconsistent"):
+                check_trunk(path)
