@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from sce import UserError, foreign, temporary, unpickling
+from sce import UserError, foreign, temporary, torchzip, unpickling
 from sce.builder import build_trunk
 from sce.compiling import error_line
 from sce.timing import Stopwatch
@@ -223,7 +223,7 @@ def load(path, lazy=False):
     """A checkpoint read on the CPU whatever device saved it, running none of its code: ours and plain state dicts
     with torch.load(weights_only=True); a zip holding other codes' objects (the SCE authors' Lightning files:
     omegaconf's configs) with sce.unpickling, within its bound on objects, those of other codes (sce.foreign) read
-    as {"kind": "foreign", ...}. lazy: a zip's tensors left unread (sce.unpickling.Stored: their shapes known), to
+    as {"kind": "foreign", ...}. lazy: a zip's tensors left unread (sce.torchzip.Stored: their shapes known), to
     check a file before any work."""
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path} is a directory, not a file: pass the checkpoint in it, e.g. "
@@ -244,11 +244,11 @@ def load(path, lazy=False):
 
 
 def _read_zip(path, lazy):
-    """The inert read of a torch zip (sce.unpickling): another code's file in our form, its trunks' tensors read
+    """The inert read of a torch zip (sce.torchzip): another code's file in our form, its trunks' tensors read
     unless `lazy`; the inert read itself where `lazy` and the file is ours or a plain state dict (its tensors
     Stored), else None (torch.load reads it, and names what is damaged)."""
     try:
-        obj, placeholders = unpickling.Archive(path).load()
+        obj, placeholders = torchzip.Archive(path).load()
         found = foreign.recognise(obj, path)
     except unpickling.Refused as e:
         raise UserError(f"{path} is not read: {e}") from None
@@ -258,7 +258,7 @@ def _read_zip(path, lazy):
         return None
     if found is not None:
         if not lazy:
-            found["trunks"] = {k: v and unpickling.tensors(v) for k, v in found["trunks"].items()}
+            found["trunks"] = {k: v and torchzip.tensors(v) for k, v in found["trunks"].items()}
         return found
     if not isinstance(obj, dict):
         raise UserError(f"{path} holds a {type(obj).__name__}, expected a checkpoint dict")

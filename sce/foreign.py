@@ -107,7 +107,8 @@ def find_normalize(config):
         node = stack.pop(0)
         if isinstance(node, dict):
             mean, std = node.get("mean"), node.get("std")
-            if all(isinstance(v, list) and len(v) == 3 and all(type(x) in (int, float) for x in v) for v in (mean, std)):
+            if all(isinstance(v, list) and len(v) == 3 and all(type(x) in (int, float) for x in v)
+                   for v in (mean, std)):
                 return tuple(map(float, mean)), tuple(map(float, std))
             stack += list(node.values())
         elif isinstance(node, list):

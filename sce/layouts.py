@@ -5,11 +5,10 @@ ImageFolder's class folders and image files (a folder loop refused), CIFAR's pyt
 its labels), STL-10's binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
 import dataclasses
 import os
-import pickle
-
 import numpy as np
 
-from sce import UserError
+from sce import UserError, unpickling
+from sce.unpickling import Refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,109 +223,85 @@ def labels(entry):
     return entry.get("labels", entry.get("fine_labels")) if isinstance(entry, dict) else None
 
 
-class NotABatch(pickle.UnpicklingError):
-    """A pickle that would call what a CIFAR batch never does (run code), or build an array of a dtype that is not
-    plain numbers: refused before the call, before the array."""
+class NotABatch(Refused):
+    """A CIFAR file whose content is not the release's structure (its line names the file)."""
 
 
-def _latin1(text, encoding="latin1"):
-    """_codecs.encode as a pickle of protocol 2 calls it for bytes, for latin-1 alone."""
-    if encoding not in ("latin1", "latin-1"):
-        raise NotABatch(f"it would call _codecs.encode(..., {encoding!r})")
-    return text.encode("latin1")
+LABEL_KEYS = ("labels", "fine_labels")  # CIFAR-10's, CIFAR-100's
+NAME_KEYS = ("label_names", "fine_label_names")  # their meta files'
 
 
-def _plain_key(args, state):
-    """numpy.dtype's arguments and state as a pickle gives them (Python 2's files: 0 and 1 for False and True)."""
-    return repr((tuple(int(a) if type(a) is bool else a for a in args), state))
-
-
-# the dtypes a batch's arrays may have, by what their pickle holds: plain numbers in either byte order, no fields,
-# no sub-arrays, no objects (a forged state, an object field inside a void dtype, crashes numpy, exit 139)
-PLAIN = {_plain_key(*d.__reduce__()[1:]): d for name in ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8")
-         for d in (np.dtype(name).newbyteorder(order) for order in "<>")}
-
-
-class _DType:
-    """numpy.dtype(...) as a pickle calls it, then its state (BUILD): numpy's own built by real() once both are those
-    of a plain dtype (PLAIN), never from a forged state."""
-
-    def __init__(self, *args):
-        self.args, self.state = args, None
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def real(self):
-        found = PLAIN.get(_plain_key(self.args, self.state))
-        if found is None:
-            raise NotABatch(f"its arrays would be of the dtype {_plain_key(self.args, self.state)[:80]}, not of plain "
-                            "numbers (nothing was built)")
-        return found
-
-
-def _real(dtype):
-    if not isinstance(dtype, _DType):
-        raise NotABatch(f"its arrays would be of a {type(dtype).__name__}, not of a dtype (nothing was built)")
-    return dtype.real()
-
-
-class _Array(np.ndarray):
-    """An array as a pickle rebuilds it: numpy's __setstate__ given the plain dtype its _DType stands for."""
-
-    def __setstate__(self, state):
-        if not isinstance(state, tuple) or len(state) != 5:
-            raise NotABatch("its arrays' state is not numpy's (nothing was built)")
-        super().__setstate__(state[:2] + (_real(state[2]),) + state[3:])
-
-
-_NDARRAY = object()  # numpy.ndarray in a pickle: _reconstruct's argument, nothing a pickle may call
-
-
-def _array_builders():
-    """What a pickle of numpy arrays calls, under each module path numpy 1 or 2 writes (the release's files: numpy
-    1's numpy.core.multiarray._reconstruct), and protocol 2's bytes: each a stand-in taking plain dtypes alone."""
-    def reconstruct(cls, shape, typecode):  # an empty array, then its state: _Array.__setstate__
-        if cls is not _NDARRAY:
-            raise NotABatch("it would rebuild another type than numpy.ndarray")
-        return np.ndarray.__new__(_Array, (0,), np.uint8)
-
-    def frombuffer(buffer, dtype, shape, order):  # protocol 5's arrays
-        return np.frombuffer(buffer, dtype=_real(dtype)).reshape(shape, order=order)
-    names = {("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _DType, ("_codecs", "encode"): _latin1}
-    for path in ("numpy.core", "numpy._core"):
-        names[f"{path}.multiarray", "_reconstruct"] = reconstruct
-        names[f"{path}.numeric", "_frombuffer"] = frombuffer
-    return names
-
-
-def _plain_arrays(obj):
-    """obj with each _Array a plain ndarray (a batch: dicts and lists)."""
-    if isinstance(obj, np.ndarray):
-        return obj.view(np.ndarray)
-    if isinstance(obj, dict):
-        return {k: _plain_arrays(v) for k, v in obj.items()}
-    return [_plain_arrays(v) for v in obj] if isinstance(obj, list) else obj
-
-
-class _Batch(pickle.Unpickler):
-    """Rebuilds what CIFAR's python batches hold and nothing else: dicts, lists, str, bytes, numbers and numpy
-    arrays of plain numbers. Any other name a pickle refers to (os.system, builtins.eval, ...) is refused before it
-    can be called, any other dtype before an array is built."""
-    allowed = _array_builders()
-
-    def find_class(self, module, name):
-        if (module, name) not in self.allowed:
-            raise NotABatch(f"it would call {module}.{name} (a pickle that runs code; nothing was run)")
-        return self.allowed[module, name]
-
-
-def read_batch(path):
-    """A CIFAR python batch (or meta file) unpickled as the release's Python 2 files need (latin-1), without
-    running code: a pickle that would call anything but numpy's array rebuilding, or build an array of another
-    dtype than plain numbers, raises NotABatch."""
+def read_batch(path, classes=None):
+    """A CIFAR python batch or meta file unpickled as the release's Python 2 files need (latin-1), without running
+    code and within a bound on the objects it builds (sce.unpickling: a pickle that would call anything but numpy's
+    array rebuilding, or build an array of another dtype than plain numbers, or more objects than the bound, is
+    Refused), then checked to be exactly the release's structure before anything walks it (batch_structure). A batch
+    is returned with its labels a list of ints (`classes`: each below it) and `data` a plain (N, 3072) uint8 array."""
     with open(path, "rb") as f:
-        return _plain_arrays(_Batch(f, encoding="latin1").load())
+        unpickling.scan(f)
+        entry = unpickling.Reader(f, unpickling.NUMPY_BUILT, encoding="latin1").load()
+    return batch_structure(entry, path, classes)
+
+
+def _a(obj):
+    """'a list', 'an int': the name of `obj`'s type with its article."""
+    name = type(obj).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _strings(value):
+    return isinstance(value, list) and all(isinstance(v, (str, bytes)) for v in value)
+
+
+def batch_structure(entry, path, classes=None):
+    """`entry` if it is the release's structure, NotABatch naming the first difference: a dict of str keys; a batch's
+    labels (LABEL_KEYS) a list of ints or a 1-d integer array, each of `classes`, its `data` a uint8 array of N rows
+    of 3072 bytes, N its labels; a meta file's class names (NAME_KEYS) a list of strings; any other value a string, an
+    int, or a list of strings or ints (filenames, CIFAR-100's coarse labels). Each check looks at each value once:
+    shared references (a list of itself, 40 deep) are refused, never expanded."""
+    if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
+        raise NotABatch(f"{path} holds {_a(entry)}, not a CIFAR batch (a dict of data and labels)")
+    key = next((k for k in LABEL_KEYS if k in entry), None)
+    if key is None and "data" not in entry:
+        if not any(_strings(entry.get(k)) for k in NAME_KEYS):
+            raise NotABatch(f"{path} holds neither labels nor class names (keys: {', '.join(sorted(entry))[:80]}): "
+                            "it is no CIFAR batch or meta file")
+    elif key is None:
+        raise NotABatch(f"{path} holds images but no labels (keys: {', '.join(sorted(entry))[:80]})")
+    else:
+        entry = dict(entry, **{key: _labels(entry[key], path, classes), "data": _images(entry.get("data"), path)})
+        if len(entry["data"]) != len(entry[key]):
+            raise NotABatch(f"{path} holds {len(entry['data'])} images for {len(entry[key])} labels")
+    for k, v in entry.items():
+        if k not in ("data", key) and not (isinstance(v, (str, bytes, int)) or _strings(v)
+                                            or (isinstance(v, list) and all(type(x) is int for x in v))):
+            raise NotABatch(f"{path} holds {_a(v)} under {k!r}, which CIFAR's files never do")
+    return entry
+
+
+def _labels(found, path, classes):
+    """The labels of a batch as a list of ints: a list of ints or a 1-d integer array, each of `classes`."""
+    if isinstance(found, np.ndarray) and found.ndim == 1 and found.dtype.kind in "iu":
+        found = found.tolist()
+    if not isinstance(found, list):
+        what = f"a {found.ndim}-d array of {found.dtype}" if isinstance(found, np.ndarray) else _a(found)
+        raise NotABatch(f"{path} holds labels that are {what}, not a list or a 1-d integer array")
+    odd = next((i for i, t in enumerate(found) if type(t) is not int), None)
+    if odd is not None:
+        raise NotABatch(f"{path} holds {_a(found[odd])} as label {odd}, not an integer")
+    if classes:
+        odd = next((t for t in found if not 0 <= t < classes), None)
+        if odd is not None:
+            raise NotABatch(f"{path} holds the label {odd!r}, not one of its {classes} classes (0 to {classes - 1})")
+    return found
+
+
+def _images(data, path):
+    shape, dtype = getattr(data, "shape", None), getattr(data, "dtype", type(data).__name__)
+    if not isinstance(data, np.ndarray) or len(shape) != 2 or shape[1] != CIFAR_IMAGE or dtype != np.uint8:
+        raise NotABatch(f"{path} holds images of shape {shape} and type {dtype}, not CIFAR's rows of {CIFAR_IMAGE} "
+                        f"bytes (N, {CIFAR_IMAGE}) uint8")
+    return data.view(np.ndarray)
 
 
 def short_binary(folder, names):
@@ -345,29 +320,18 @@ def short_binary(folder, names):
 
 def damaged_batch(folder, names, classes=10):
     """'PATH ...' for the first CIFAR file cut short or damaged, calling what a batch does not (a pickle that would
-    run code), or a batch whose images are not rows of 3072 bytes as many as its labels, or whose labels are not of
-    its `classes`, else None."""
+    run code), building more objects than the bound, or not of the release's structure (read_batch), else None: the
+    same check as the readers' (sce.data.files, reproduce.sh), so that nothing it passes fails there."""
     for name in [n for n in names if not n.endswith(".bin")]:
         path = os.path.join(folder, name)
         try:
-            entry = read_batch(path)
+            read_batch(path, classes)
         except NotABatch as e:
+            return str(e)
+        except unpickling.Refused as e:
             return f"{path} is no CIFAR batch: {e}"
         except Exception as e:  # noqa: BLE001: a truncated pickle fails in many ways
             return f"{path} does not unpickle ({type(e).__name__}: {str(e)[:80]}): it is cut short or damaged"
-        found = labels(entry)
-        if found is None:  # the meta file
-            continue
-        data = entry.get("data")
-        shape, dtype = getattr(data, "shape", None), getattr(data, "dtype", type(data).__name__)
-        if shape is None or len(shape) != 2 or shape[1] != CIFAR_IMAGE or dtype != np.uint8:
-            return (f"{path} holds images of shape {shape} and type {dtype}, not CIFAR's rows of {CIFAR_IMAGE} bytes "
-                    f"(N, {CIFAR_IMAGE}) uint8")
-        if shape[0] != len(found):
-            return f"{path} holds {shape[0]} images for {len(found)} labels"
-        odd = [t for t in found if not isinstance(t, (int, np.integer)) or not 0 <= t < classes]
-        if odd:
-            return f"{path} holds the label {odd[0]!r}, not one of its {classes} classes (0 to {classes - 1})"
     return None
 
 

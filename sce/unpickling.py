@@ -1,5 +1,5 @@
 """Pickles read without running any of their code, within a bound on what they build: CIFAR's python batches
-(sce.layouts) and checkpoints of other codes (sce.foreign), whose torch zip is read here without torch.load.
+(sce.layouts, with numpy's arrays of plain numbers) and torch zips (sce.torchzip: checkpoints of other codes).
 
 A pickle is first scanned op by op (nothing built): more ops than MAX_OBJECTS, or a memo index beyond them, is refused
 before anything is built, so a file of a few hundred bytes cannot make millions of objects. Then it is unpickled by
@@ -7,13 +7,10 @@ Reader: the names a pickle calls are looked up in `built` (stand-ins that check 
 classes (INERT: omegaconf's containers, typing.Any, ...) give an inert placeholder that records what the pickle gave it
 and runs nothing; any other name (os.system, builtins.eval, ...) is refused before it could be called."""
 import _compat_pickle
-import collections
-import io
 import pickle
 import pickletools
-import zipfile
 
-import torch
+import numpy as np
 
 MAX_OBJECTS = 4_000_000  # CIFAR-100's train batch: ~300,000 ops; a ResNet-50 Lightning checkpoint: ~50,000
 
@@ -22,10 +19,10 @@ class Refused(pickle.UnpicklingError):
     """A pickle refused before it built or called what it names (code, more objects than the bound)."""
 
 
-def scan(f, limit=MAX_OBJECTS):
-    """Every op of the pickle in `f` read, none run: Refused past `limit` ops or at a memo index beyond it (the C
-    unpickler would size its memo to it); then `f` is rewound. A cut or damaged pickle raises ValueError."""
-    start = f.tell()
+def scan(f, limit=None):
+    """Every op of the pickle in `f` read, none run: Refused past `limit` (MAX_OBJECTS) ops or at a memo index beyond
+    it (the C unpickler would size its memo to it); then `f` is rewound. A cut or damaged pickle raises ValueError."""
+    start, limit = f.tell(), limit or MAX_OBJECTS
     for count, (op, arg, _) in enumerate(pickletools.genops(f), 1):
         if count > limit:
             raise Refused(f"it would build more than {limit:,} objects (nothing was built)")
@@ -120,136 +117,70 @@ class Reader(pickle.Unpickler):
         raise Refused(f"it would call {module}.{name} (a pickle that runs code; nothing was run)")
 
 
-# ---------------------------------------------------------------- torch's zip, read without torch.load
+# ---------------------------------------------------------------- numpy's arrays of plain numbers (CIFAR's batches)
 
-STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-                  "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                  "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-                  "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
-                  "ComplexDoubleStorage": torch.complex128, "UntypedStorage": torch.uint8}
+def _plain_key(args, state):
+    """numpy.dtype's arguments and state as a pickle gives them (Python 2's files: 0 and 1 for False and True)."""
+    return repr((tuple(int(a) if type(a) is bool else a for a in args), state))
 
 
-class StorageType:
-    def __init__(self, dtype):
-        self.dtype = dtype
+# the dtypes a batch's arrays may have, by what their pickle holds: plain numbers in either byte order, no fields,
+# no sub-arrays, no objects (a forged state, an object field inside a void dtype, crashes numpy, exit 139)
+PLAIN = {_plain_key(*d.__reduce__()[1:]): d for name in ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8")
+         for d in (np.dtype(name).newbyteorder(order) for order in "<>")}
 
 
-class Storage:
-    """A storage of the zip not read yet: its record (data/KEY), dtype and number of elements; where it was saved
-    (a GPU's) is ignored, it is read to the CPU."""
+class _DType:
+    """numpy.dtype(...) as a pickle calls it, then its state (BUILD): numpy's own built by real() once both are those
+    of a plain dtype (PLAIN), never from a forged state."""
 
-    def __init__(self, archive, key, dtype, numel):
-        self.archive, self.key, self.dtype, self.numel = archive, key, dtype, numel
+    def __init__(self, *args):
+        self.args, self.state = args, None
 
+    def __setstate__(self, state):
+        self.state = state
 
-class Stored:
-    """A tensor of the zip not read yet (its shape known): sce.unpickling.tensor reads it."""
-
-    def __init__(self, storage, offset, size, stride):
-        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
-
-    @property
-    def shape(self):
-        return torch.Size(self.size)
-
-    @property
-    def dtype(self):
-        return self.storage.dtype
+    def real(self):
+        found = PLAIN.get(_plain_key(self.args, self.state))
+        if found is None:
+            raise Refused(f"its arrays would be of the dtype {_plain_key(self.args, self.state)[:80]}, not of plain "
+                            "numbers (nothing was built)")
+        return found
 
 
-def _ints(values):
-    return isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)
+def _real(dtype):
+    if not isinstance(dtype, _DType):
+        raise Refused(f"its arrays would be of a {type(dtype).__name__}, not of a dtype (nothing was built)")
+    return dtype.real()
 
 
-def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    """torch._utils._rebuild_tensor_v2's stand-in: a Stored, its arguments checked (a view inside its storage)."""
-    if not (isinstance(storage, Storage) and type(offset) is int and offset >= 0 and _ints(size) and _ints(stride)
-            and len(size) == len(stride)):
-        raise Refused("its tensors are not rebuilt as torch's are (nothing was built)")
-    extent = 0 if 0 in size else offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-    if extent > storage.numel:
-        raise Refused(f"a tensor of it reaches past its storage ({extent} of {storage.numel} elements)")
-    return Stored(storage, offset, size, stride)
+class _Array(np.ndarray):
+    """An array as a pickle rebuilds it: numpy's __setstate__ given the plain dtype its _DType stands for."""
+
+    def __setstate__(self, state):
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise Refused("its arrays' state is not numpy's (nothing was built)")
+        super().__setstate__(state[:2] + (_real(state[2]),) + state[3:])
 
 
-def _rebuild_parameter(data, requires_grad=False, hooks=None, state=None):
-    """torch._utils._rebuild_parameter's stand-in: its tensor (a Parameter's data)."""
-    if not isinstance(data, Stored):
-        raise Refused("its tensors are not rebuilt as torch's are (nothing was built)")
-    return data
+_NDARRAY = object()  # numpy.ndarray in a pickle: _reconstruct's argument, nothing a pickle may call
 
 
-_TENSOR_TYPES = object()  # torch.Tensor, torch.nn.Parameter: the types _rebuild_from_type_v2 names
+def _array_builders():
+    """What a pickle of numpy arrays calls, under each module path numpy 1 or 2 writes (the release's files: numpy
+    1's numpy.core.multiarray._reconstruct), and protocol 2's bytes: each a stand-in taking plain dtypes alone."""
+    def reconstruct(cls, shape, typecode):  # an empty array, then its state: _Array.__setstate__
+        if cls is not _NDARRAY:
+            raise Refused("it would rebuild another type than numpy.ndarray")
+        return np.ndarray.__new__(_Array, (0,), np.uint8)
+
+    def frombuffer(buffer, dtype, shape, order):  # protocol 5's arrays
+        return np.frombuffer(buffer, dtype=_real(dtype)).reshape(shape, order=order)
+    names = {("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _DType, ("_codecs", "encode"): latin1}
+    for path in ("numpy.core", "numpy._core"):
+        names[f"{path}.multiarray", "_reconstruct"] = reconstruct
+        names[f"{path}.numeric", "_frombuffer"] = frombuffer
+    return names
 
 
-def _rebuild_from_type(func, new_type, args, state):
-    if func not in (_rebuild_tensor, _rebuild_parameter) or new_type is not _TENSOR_TYPES or type(args) is not tuple:
-        raise Refused("its tensors are not rebuilt as torch's are (nothing was built)")
-    return func(*args)
-
-
-TORCH_BUILT = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-               ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-               ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-               ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-               ("torch", "Tensor"): _TENSOR_TYPES, ("torch.nn.parameter", "Parameter"): _TENSOR_TYPES,
-               ("collections", "OrderedDict"): collections.OrderedDict, ("_codecs", "encode"): latin1,
-               **{("torch", name): StorageType(dtype) for name, dtype in STORAGE_DTYPES.items()}}
-
-
-class Archive:
-    """A torch.save zip: its records under one top folder (data.pkl, data/KEY, byteorder)."""
-
-    def __init__(self, path):
-        self.path = path
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-            pickles = [n for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
-            if len(pickles) != 1:
-                raise Refused("it is a zip but not one of torch.save (no single data.pkl)")
-            self.prefix = pickles[0][:-len("data.pkl")]
-            order = self.prefix + "byteorder"
-            if order in names and z.read(order).strip() not in (b"", b"little"):
-                raise Refused("it was written on a big-endian machine, which this reader does not convert")
-            self.sizes = {n: z.getinfo(n).file_size for n in names}
-
-    def load(self, placeholders=inert):
-        """(the object of data.pkl, its tensors as Stored, the names placeholders stood for); nothing is read of the
-        tensors' data yet."""
-        storages = {}
-
-        def persistent_load(pid):
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1],
-                    StorageType) and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
-                raise Refused("it refers to data torch.save does not write (nothing was built)")
-            _, kind, key, _, numel = pid
-            record = f"{self.prefix}data/{key}"
-            if self.sizes.get(record, -1) < numel * kind.dtype.itemsize:
-                raise Refused(f"its storage {key} is missing or shorter than its {numel} elements")
-            if key not in storages:
-                storages[key] = Storage(self, key, kind.dtype, numel)
-            return storages[key]
-        with zipfile.ZipFile(self.path) as z, z.open(self.prefix + "data.pkl") as raw:
-            f = io.BytesIO(raw.read())
-        scan(f)
-        reader = Reader(f, TORCH_BUILT, placeholders, encoding="utf-8")
-        reader.persistent_load = persistent_load
-        return reader.load(), reader.placeholders
-
-
-def tensors(stored):
-    """{key: tensor} of {key: Stored or tensor}: each Stored read from its zip to the CPU (a storage shared by several
-    tensors read once)."""
-    read, out = {}, {}
-    archives = {v.storage.archive.path: v.storage.archive for v in stored.values() if isinstance(v, Stored)}
-    for path, archive in archives.items():
-        with zipfile.ZipFile(path) as z:
-            for k, v in stored.items():
-                if not isinstance(v, Stored) or v.storage.archive is not archive:
-                    continue
-                s = v.storage
-                if (path, s.key) not in read:
-                    data = bytearray(z.read(f"{archive.prefix}data/{s.key}"))[:s.numel * s.dtype.itemsize]
-                    read[path, s.key] = torch.frombuffer(data, dtype=s.dtype) if data else torch.empty(0, dtype=s.dtype)
-                out[k] = read[path, s.key].as_strided(v.size, v.stride, v.offset)
-    return {k: out.get(k, v) for k, v in stored.items()}
+NUMPY_BUILT = _array_builders()

@@ -52,6 +52,57 @@ class RunsCode:
         return self.call, self.args
 
 
+def shared_lists(levels):
+    """A list of two references to one list, `levels` deep: a few hundred bytes of pickle that a walk expands to
+    2**levels objects."""
+    nested = []
+    for _ in range(levels):
+        nested = [nested, nested]
+    return nested
+
+
+@pytest.mark.parametrize("batch,line", [
+    ({"labels": 3, "data": np.zeros((1, 3072), np.uint8)}, "holds labels that are an int, not a list or a 1-d integer "
+                                                             "array"),
+    ({"labels": np.array(3), "data": np.zeros((1, 3072), np.uint8)}, "holds labels that are a 0-d array of int64, not "
+                                                                       "a list or a 1-d integer array"),
+    ({"labels": [[0], [1]], "data": np.zeros((2, 3072), np.uint8)}, "holds a list as label 0, not an integer"),
+    ({"data": np.zeros((2, 3072), np.uint8), "batch_label": "x"}, "holds images but no labels (keys: batch_label, "
+                                                                   "data)"),
+    ({"labels": shared_lists(40), "data": shared_lists(40)}, "holds a list as label 0, not an integer"),
+    (shared_lists(40), "holds a list, not a CIFAR batch (a dict of data and labels)"),
+    ({"labels": [0, 1], "data": np.zeros((2, 3072), np.uint8), "filenames": shared_lists(40)},
+     "holds a list under 'filenames', which CIFAR's files never do"),
+    ({"labels": np.arange(2), "data": np.zeros((3, 3072), np.uint8)}, "holds 3 images for 2 labels")])
+def test_a_batch_not_of_the_release_structure_is_one_line_at_the_check_and_the_reader(tmp_path, batch, line):
+    """Labels that are an int, a 0-d array, lists; a dict without labels; 40 levels of shared lists (2**40 objects
+    if walked): the layout check (main_pretrain.py's, main_lincls.py's) and the reader reproduce.sh uses both refuse it
+    in one line at once, the same line."""
+    import time
+    from sce.layouts import NotABatch, read_batch
+    folder = write_cifar(tmp_path / "data", per_batch=2)
+    (folder / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=2))
+    start = time.perf_counter()
+    with pytest.raises(UserError) as checked:
+        build_dataset("cifar10", str(tmp_path / "data"), "train")
+    with pytest.raises(NotABatch) as read:
+        read_batch(folder / "data_batch_2")
+    assert time.perf_counter() - start < 5
+    assert str(checked.value) == f"{folder / 'data_batch_2'} {line}: download CIFAR10 again"
+    assert str(read.value) == f"{folder / 'data_batch_2'} {line}"
+
+
+def test_a_pickle_of_more_objects_than_the_bound_is_refused_before_building_them(tmp_path, monkeypatch):
+    """Past the bound on objects (sce.unpickling.MAX_OBJECTS, lowered here), a batch is refused before any is built."""
+    from sce import unpickling
+    folder = write_cifar(tmp_path / "data", per_batch=2)
+    (folder / "data_batch_1").write_bytes(pickle.dumps({"labels": [0] * 100, "filenames": ["f"] * 100}, protocol=2))
+    monkeypatch.setattr(unpickling, "MAX_OBJECTS", 50)
+    with pytest.raises(UserError, match=r"data_batch_1 is no CIFAR batch: it would build more than 50 objects "
+                                        r"\(nothing was built\): download CIFAR10 again"):
+        build_dataset("cifar10", str(tmp_path / "data"), "train")
+
+
 @pytest.mark.parametrize("call", ["system", "open"])
 def test_cifar_batches_are_read_without_running_their_code(tmp_path, call):
     """A batch whose pickle would run a command (or write a file) is one line naming the call, nothing run; the
@@ -123,7 +174,7 @@ def test_a_forged_dtype_in_any_protocol_is_refused_before_an_array_is_built(tmp_
     assert proc.returncode == 0 and len(lines) == 12 and not proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
     for line, name in zip(lines, [f"{r}{p}" for p in range(6) for r in ("reconstruct", "frombuffer")]):
         assert line.startswith(f"{tmp_path / name} is no CIFAR batch: its arrays would be of the dtype (('V8', 0, 1), "
-                               "(3, '|', None, ('f',), {'f': (<sce.layouts._DType object at"), line
+                               "(3, '|', None, ('f',), {'f': (<sce.unpickling._DType object at"), line
         assert line.endswith("not of plain numbers (nothing was built)"), line
 
 

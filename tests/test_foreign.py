@@ -154,9 +154,9 @@ def imports():
 
 def test_the_authors_lightning_checkpoint_reads_as_their_trunk(tmp_path, imports, capsys):
     """A small-input ResNet-18 file of the authors' code: read with nothing of omegaconf imported or built, on the
-    CPU whatever device saved it (its storages a GPU's); the online trunk (the momentum one with --encoder momentum) gives the features
-    of their own trunk built from the same weights, fed the CIFAR-10 normalisation their file records (ours
-    feeds ImageNet's: the trunk re-normalises); one line says what was read."""
+    CPU whatever device saved it (its storages a GPU's); the online trunk (the momentum one with --encoder
+    momentum) gives the features of their own trunk built from the same weights, fed the CIFAR-10 normalisation
+    their file records (ours feeds ImageNet's: the trunk re-normalises); one line says what was read."""
     path = tmp_path / "epoch=199.ckpt"
     online, momentum = write_authors_checkpoint(path, cuda=True)
     assert check_trunk(str(path)) == ("resnet18", True, {"arch": "resnet18", "small_input": True})
@@ -165,11 +165,12 @@ def test_the_authors_lightning_checkpoint_reads_as_their_trunk(tmp_path, imports
         trunk, feat_dim, _ = load_trunk(str(path), encoder=encoder)
         trunk.eval()
         with torch.no_grad():
-            ours, expected = trunk(normalized(x, IMAGENET_MEAN, IMAGENET_STD)), theirs(normalized(x, CIFAR_MEAN, CIFAR_STD))
+            ours = trunk(normalized(x, IMAGENET_MEAN, IMAGENET_STD))
+            expected = theirs(normalized(x, CIFAR_MEAN, CIFAR_STD))
         assert feat_dim == 512 and (ours - expected).abs().max() < 1e-4, (ours - expected).abs().max()
         prefix = "trunk." if encoder == "online" else "momentum_trunk."
-        assert f"=> {path}: the SCE authors' Lightning checkpoint, epoch 199, resnet18 (small input), {encoder} trunk " \
-               f"({prefix})" in capsys.readouterr().out
+        assert f"=> {path}: the SCE authors' Lightning checkpoint, epoch 199, resnet18 (small input), {encoder} " \
+               f"trunk ({prefix})" in capsys.readouterr().out
     assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
 
 
