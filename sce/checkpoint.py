@@ -387,8 +387,10 @@ def load_trunk(path, arch=None, small_input=None, encoder="online", say=True):
     file: its line said (`say`, on the main process), and its recorded input normalisation applied (renormalize)."""
     ckpt = load(path)
     state, arch, small_input = trunk_spec(ckpt, path, arch, small_input, encoder)
-    trunk, feat_dim = build_trunk(arch, small_input)
-    trunk.load_state_dict(state)
+    with torch.device("meta"):  # no random init of weights the file replaces (a ResNet-50's: a second)
+        trunk, feat_dim = build_trunk(arch, small_input)
+    expected = trunk.state_dict()
+    trunk.load_state_dict({k: v.to(expected[k].dtype, copy=True).contiguous() for k, v in state.items()}, assign=True)
     said = say and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
     if said and read_as(ckpt, path, encoder):
         print(read_as(ckpt, path, encoder), flush=True)

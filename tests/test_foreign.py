@@ -10,7 +10,7 @@ import typing
 import pytest
 import torch
 import torchvision
-from conftest import write_imagefolder
+from conftest import exit_message, write_imagefolder
 
 import main_lincls
 import main_lowshot
@@ -269,3 +269,59 @@ def test_other_codes_checkpoints_give_their_trunks(tmp_path, r18, capsys):
             with pytest.raises(UserError, match=r"says its trunk is a resnet50 \(small input\) but its weights are "
                                                 r"those of a resnet18 \(small input\): the file is inconsistent"):
                 check_trunk(path)
+
+
+def their_linear_evaluation_trunk(path, arch, small_input):
+    """The trunk the SCE authors' linear evaluation builds from `path` (eztorch's LinearClassifierEvaluation):
+    torch.load, the state dict's keys matching ^(trunk\\.) with it removed, loaded strictly into create_resnet's trunk
+    (a weights-only load, torch's default since 2.6)."""
+    import re
+    model = torch.load(path, map_location="cpu", weights_only=True)
+    state = model["state_dict"] if "state_dict" in model else model
+    state = {re.sub(r"^(trunk\.)", "", k): v for k, v in state.items() if re.match(r"^(trunk\.)", k)}
+    trunk = authors_trunk(arch, small_input)
+    trunk.load_state_dict(state)
+    return trunk.eval()
+
+
+def test_ours_in_their_format_is_read_by_their_linear_evaluation(pretrained, tmp_path, capsys):
+    """convert-pretrain-to-eztorch.py on a small-input main_pretrain.py checkpoint: their loader builds the trunk
+    ours reads (the same features), and ours reads the file back as a checkpoint in their format."""
+    out = tmp_path / "sce_r18_eztorch.ckpt"
+    assert exit_message("detection/convert-pretrain-to-eztorch.py", pretrained, out) is None
+    assert f"trunk to {out} (state_dict trunk.*, the SCE authors' format)" in capsys.readouterr().out
+    theirs = their_linear_evaluation_trunk(out, "resnet18", True)
+    ours = load_trunk(pretrained)[0].eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
+    assert check_trunk(str(out))[:2] == ("resnet18", True)
+    load_trunk(str(out))
+    assert "a checkpoint in the SCE authors' format, epoch 1, resnet18 (small input), online trunk (trunk.)" in \
+        capsys.readouterr().out
+
+
+def test_the_authors_file_through_every_entry_point(tmp_path, capsys, imports):
+    """Their CIFAR-10 trunk: main_lincls.py --knn on CIFAR-10's batches reads it, its line first; their ResNet-50
+    ImageNet file converted for detectron2 gives their trunk's weights under detectron2's names; the small-input one
+    is refused by the converter in one line."""
+    import pickle
+    from conftest import write_cifar
+    small, r50 = tmp_path / "cifar.ckpt", tmp_path / "imagenet.ckpt"
+    write_authors_checkpoint(small)
+    write_cifar(tmp_path / "cifar", per_batch=2)
+    assert as_user_runs(main_lincls.main, ["--data", str(tmp_path / "cifar"), "--dataset", "cifar10", "--pretrained",
+                                           str(small), "--knn", "--knn-k", "3", "--workers", "0", "--output-dir",
+                                           str(tmp_path / "o")]) is None
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"=> {small}: the SCE authors' Lightning checkpoint, epoch 199, resnet18 (small input), " \
+                       "online trunk (trunk.)", lines
+    assert "input 32 px (the native size of cifar10)" in "\n".join(lines)
+    online, _ = write_authors_checkpoint(r50, "resnet50", False)
+    assert exit_message("detection/convert-pretrain-to-detectron2.py", r50, tmp_path / "r50.pkl") is None
+    with open(tmp_path / "r50.pkl", "rb") as f:
+        model = pickle.load(f)["model"]
+    assert (model["res5.2.conv3.norm.running_mean"] == online.state_dict()["layer4.2.bn3.running_mean"].numpy()).all()
+    assert exit_message("detection/convert-pretrain-to-detectron2.py", small, tmp_path / "s.pkl").startswith(
+        f"error: {small} holds a small-input trunk (conv1 3x3")
+    assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
