@@ -301,8 +301,9 @@ def trunk_state_dict(ckpt, path="checkpoint", encoder="online"):
     elif kind == "foreign":
         state = ckpt["trunks"][encoder]
         if state is None:
-            raise UserError(f"{path} ({ckpt['what']}) holds no momentum trunk ({ckpt['prefixes'][1]}): evaluate its "
-                            "online trunk (--encoder online)")
+            where = f" (no {ckpt['prefixes'][1]})" if ckpt["prefixes"][1] else ""
+            raise UserError(f"{path} ({ckpt['what']}) holds no momentum trunk{where}: evaluate its online trunk "
+                            "(--encoder online)")
     elif encoder != "online":
         raise UserError(f"{path} has no momentum encoder: only main_pretrain.py checkpoints and other codes' with one "
                         "do")

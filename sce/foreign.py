@@ -29,7 +29,8 @@ PREFIXES = [("trunk.", "momentum_trunk.", "sce"),
 WHAT = {"sce": ("the SCE authors' Lightning checkpoint", "a checkpoint in the SCE authors' format"),
         "solo-learn": ("a solo-learn Lightning checkpoint", "a backbone. checkpoint (solo-learn's names)"),
         "mocov2": ("a MoCo v2 checkpoint",) * 2, "mocov3": ("a MoCo v3 checkpoint",) * 2,
-        "dino": ("a DINO-style checkpoint",) * 2}
+        "dino": ("a DINO-style checkpoint",) * 2,
+        "lightning": ("a Lightning checkpoint of a torchvision ResNet",) * 2}
 DINO_KEYS = ("student", "teacher")
 DINO_BACKBONES = ("module.backbone.", "backbone.")
 LIGHTNING = "pytorch-lightning_version"
@@ -153,6 +154,8 @@ def _trunks(obj):
         if is_resnet(online):
             momentum = strip(state, momentum_prefix)
             return online, momentum if is_resnet(momentum) else None, code, (online_prefix, momentum_prefix)
+    if LIGHTNING in obj and is_resnet(strip(state, "")):  # the trunk alone, as the authors publish theirs
+        return strip(state, ""), None, "lightning", ("no prefix", "")
     return None
 
 

@@ -95,6 +95,8 @@ class Archive:
             if len(pickles) != 1:
                 raise Refused("it is a zip but not one of torch.save (no single data.pkl)")
             self.prefix = pickles[0][:-len("data.pkl")]
+            if any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist()):  # a zip bomb, not torch's
+                raise Refused("it holds compressed records, which torch.save never writes")
             order = self.prefix + "byteorder"
             if order in names and z.read(order).strip() not in (b"", b"little"):
                 raise Refused("it was written on a big-endian machine, which this reader does not convert")

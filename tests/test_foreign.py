@@ -15,7 +15,7 @@ from conftest import exit_message, write_imagefolder
 import main_lincls
 import main_lowshot
 from sce import UserError, entry
-from sce.checkpoint import check_trunk, load_trunk
+from sce.checkpoint import check_trunk, load, load_trunk, read_as, trunk_spec
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # eztorch/transforms/utils.py
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -231,7 +231,7 @@ def test_a_small_input_trunk_of_no_known_size_is_refused_before_any_folder(tmp_p
     assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
 
 
-def test_other_codes_checkpoints_give_their_trunks(tmp_path, r18, capsys):
+def test_other_codes_checkpoints_give_their_trunks(tmp_path, r18):
     """MoCo v2 / v3, DINO-style (student / teacher, an argparse.Namespace of args) and solo-learn files holding a
     ResNet: their online and momentum trunks read, arch and stem from the weights, each prefix named in its line;
     an arch the file states otherwise is refused."""
@@ -257,11 +257,11 @@ def test_other_codes_checkpoints_give_their_trunks(tmp_path, r18, capsys):
     for ckpt, online, momentum in layouts:
         torch.save(ckpt, path)
         assert check_trunk(path)[:2] == ("resnet18", True)
+        read = load(path)
         for encoder, prefix, state in (("online", online, r18), ("momentum", momentum, other)):
-            trunk = load_trunk(path, encoder=encoder)[0]
-            assert all(torch.equal(v, state[k]) for k, v in trunk.state_dict().items())
-            line = capsys.readouterr().out
-            assert f"resnet18 (small input), {encoder} trunk ({prefix})" in line, line
+            found = trunk_spec(read, path, encoder=encoder)[0]
+            assert found.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in found.items())
+            assert read_as(read, path, encoder).endswith(f"resnet18 (small input), {encoder} trunk ({prefix})")
         if "arch" in ckpt or "args" in ckpt:
             ckpt["arch" if "arch" in ckpt else "args"] = "resnet50" if "arch" in ckpt else argparse.Namespace(
                 arch="resnet50")
@@ -269,6 +269,15 @@ def test_other_codes_checkpoints_give_their_trunks(tmp_path, r18, capsys):
             with pytest.raises(UserError, match=r"says its trunk is a resnet50 \(small input\) but its weights are "
                                                 r"those of a resnet18 \(small input\): the file is inconsistent"):
                 check_trunk(path)
+    # a Lightning file holding the trunk alone under torchvision's names (hyper-parameters no weights-only load reads)
+    torch.save({"pytorch-lightning_version": "1.7.7", "state_dict": r18, "hyper_parameters": {
+        "args": argparse.Namespace(lr=1)}}, path)
+    read = load(path)
+    assert trunk_spec(read, path)[0].keys() == r18.keys()
+    assert read_as(read, path, "online").endswith("a Lightning checkpoint of a torchvision ResNet, resnet18 (small "
+                                                  "input), online trunk (no prefix)")
+    with pytest.raises(UserError, match="holds no momentum trunk: evaluate its online trunk"):
+        trunk_spec(read, path, encoder="momentum")
 
 
 def their_linear_evaluation_trunk(path, arch, small_input):
