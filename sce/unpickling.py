@@ -77,10 +77,12 @@ def inert_fields(obj):
     return obj if isinstance(obj, dict) else {}
 
 
-# data classes the checkpoints of other codes pickle (their hyper-parameters, args, loops' state): placeholders stand
-# for them; a name outside these (and outside `built`) is refused as a pickle that runs code
+# data classes the checkpoints of other codes pickle (their hyper-parameters, args, loops' state), and those codes'
+# own (eztorch, solo-learn, hydra): placeholders stand for them; a name outside these (and outside `built`) is refused
+# as a pickle that runs code
 INERT_MODULES = ("omegaconf", "typing", "pathlib", "argparse", "numpy", "torch", "pytorch_lightning", "lightning",
-                 "lightning_fabric", "enum", "datetime", "decimal", "fractions", "collections")
+                 "lightning_fabric", "enum", "datetime", "decimal", "fractions", "collections", "eztorch", "solo",
+                 "hydra")
 INERT_NAMES = {("builtins", n) for n in ("dict", "list", "set", "frozenset", "tuple", "object", "int", "float", "str",
                                          "bytes", "bytearray", "bool", "complex", "slice", "type", "NoneType")}
 INERT_NAMES.add(("copyreg", "_reconstructor"))
