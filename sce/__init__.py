@@ -5,6 +5,9 @@ import signal
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal (after saving); run the same command to continue
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SLURM's and torchrun's, and Ctrl-C
+# the normalisation the data path feeds every trunk, whatever the dataset (sce.data.ops): ImageNet's statistics; a
+# trunk trained with others is fed those (sce.checkpoint.renormalize)
+FED_MEAN, FED_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class UserError(Exception):

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from sce import UserError, foreign, temporary, torchzip, unpickling
+from sce import FED_MEAN, FED_STD, UserError, foreign, temporary, torchzip, unpickling
 from sce.builder import build_trunk
 from sce.compiling import error_line
 from sce.timing import Stopwatch
@@ -374,10 +374,9 @@ def renormalize(trunk, mean, std):
     """The trunk's inputs, normalised with ImageNet's statistics by the data path, normalised with (mean, std) instead,
     those it was trained with: an exact per-channel affine map before conv1 (non-persistent buffers: its state dict
     is unchanged)."""
-    from sce.data.ops import MEAN, STD
     mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
-    trunk.register_buffer("input_scale", torch.tensor(STD).view(1, 3, 1, 1) / std, persistent=False)
-    trunk.register_buffer("input_shift", (torch.tensor(MEAN).view(1, 3, 1, 1) - mean) / std, persistent=False)
+    trunk.register_buffer("input_scale", torch.tensor(FED_STD).view(1, 3, 1, 1) / std, persistent=False)
+    trunk.register_buffer("input_shift", (torch.tensor(FED_MEAN).view(1, 3, 1, 1) - mean) / std, persistent=False)
     trunk.register_forward_pre_hook(lambda module, args: (args[0] * module.input_scale + module.input_shift,
                                                           *args[1:]))
 

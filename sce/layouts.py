@@ -231,6 +231,13 @@ LABEL_KEYS = ("labels", "fine_labels")  # CIFAR-10's, CIFAR-100's
 NAME_KEYS = ("label_names", "fine_label_names")  # their meta files'
 
 
+class _Batch(unpickling.Reader):
+    """The unpickler of CIFAR's files: numpy's arrays of plain numbers and Python's plain values, nothing else."""
+
+    def __init__(self, f):
+        super().__init__(f, unpickling.NUMPY_BUILT, encoding="latin1")
+
+
 def read_batch(path, classes=None):
     """A CIFAR python batch or meta file unpickled as the release's Python 2 files need (latin-1), without running
     code and within a bound on the objects it builds (sce.unpickling: a pickle that would call anything but numpy's
@@ -239,7 +246,7 @@ def read_batch(path, classes=None):
     is returned with its labels a list of ints (`classes`: each below it) and `data` a plain (N, 3072) uint8 array."""
     with open(path, "rb") as f:
         unpickling.scan(f)
-        entry = unpickling.Reader(f, unpickling.NUMPY_BUILT, encoding="latin1").load()
+        entry = _Batch(f).load()
     return batch_structure(entry, path, classes)
 
 

@@ -17,6 +17,8 @@ STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32,
 
 
 class StorageType:
+    """torch.FloatStorage and its kin as a pickle names them: the dtype of the storages it types."""
+
     def __init__(self, dtype):
         self.dtype = dtype
 
@@ -30,7 +32,7 @@ class Storage:
 
 
 class Stored:
-    """A tensor of the zip not read yet (its shape known): sce.unpickling.tensor reads it."""
+    """A tensor of the zip not read yet (its shape known): `tensors` reads it."""
 
     def __init__(self, storage, offset, size, stride):
         self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
@@ -103,13 +105,15 @@ class Archive:
             self.sizes = {n: z.getinfo(n).file_size for n in names}
 
     def load(self, placeholders=inert):
-        """(the object of data.pkl, its tensors as Stored, the names placeholders stood for); nothing is read of the
-        tensors' data yet."""
+        """(the object of data.pkl, its tensors Stored, the names placeholders stood for in it): nothing is read of
+        the tensors' data yet."""
         storages = {}
 
         def persistent_load(pid):
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1],
-                    StorageType) and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
+            torch_saves = (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                           and isinstance(pid[1], StorageType) and isinstance(pid[2], str) and type(pid[4]) is int
+                           and pid[4] >= 0)
+            if not torch_saves:
                 raise Refused("it refers to data torch.save does not write (nothing was built)")
             _, kind, key, _, numel = pid
             record = f"{self.prefix}data/{key}"

@@ -186,7 +186,8 @@ def test_split_features_cache(tmp_path, capsys):
 # what the scripts orchestrate with; a module imports only from its floor or below, the data path only from the
 # primitives, and no module outside sce/data from the data path (the scripts import its face)
 PRIMITIVES = ["__init__", "builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling",
-              "cuda_graph", "progress", "metrics", "outdir", "timing", "layouts", "entry", "events", "recipes"]
+              "cuda_graph", "progress", "metrics", "outdir", "timing", "layouts", "entry", "events", "recipes",
+              "unpickling", "torchzip", "foreign"]
 ORCHESTRATION = ["step", "epoch", "resume", "knn", "frozen", "probe", "transfer", "cli", "plot", "settings"]
 MAX_DEPTH = 6  # the longest chain of project imports, files counted, scripts included
 

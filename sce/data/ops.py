@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, for every dataset (see views.py)
+from sce import FED_MEAN as MEAN, FED_STD as STD  # ImageNet's, for every dataset (see views.py)
 BLUR_SIGMA = (0.1, 2.0)
 
 
