@@ -82,15 +82,17 @@ def authors_trunk(arch, small_input):
     return trunk
 
 
-def write_authors_checkpoint(path, arch="resnet18", small_input=True, stated=None, cuda=False, seed=0):
+def write_authors_checkpoint(path, arch="resnet18", small_input=True, stated=None, cuda=False, seed=0, twins=False):
     """A file as the SCE authors' run/pretrain.py and Lightning 1.7.7's ModelCheckpoint write it: its top-level keys,
     the weights under state_dict (trunk., momentum_trunk., projector., momentum_projector., predictor., queue,
     queue_ptr), hyper_parameters holding omegaconf DictConfigs (the trunk's name and small_input, the transforms'
     CIFAR-10 normalisation); `cuda`: its storages tagged as a GPU run's. Returns (online trunk, momentum trunk).
-    stated: the trunk settings it says, if not those of its weights."""
+    stated: the trunk settings it says, if not those of its weights; twins: the momentum trunk the online one (a
+    file half the size)."""
     torch.manual_seed(seed)
-    online, momentum = authors_trunk(arch, small_input), authors_trunk(arch, small_input)
-    for trunk in (online, momentum):  # BN statistics that are not the defaults
+    online = authors_trunk(arch, small_input)
+    momentum = online if twins else authors_trunk(arch, small_input)
+    for trunk in {online, momentum}:  # BN statistics that are not the defaults
         for m in trunk.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.1, 0.1)
@@ -326,7 +328,7 @@ def test_the_authors_file_through_every_entry_point(tmp_path, capsys, imports):
     assert lines[0] == f"=> {small}: the SCE authors' Lightning checkpoint, epoch 199, resnet18 (small input), " \
                        "online trunk (trunk.)", lines
     assert "input 32 px (the native size of cifar10)" in "\n".join(lines)
-    online, _ = write_authors_checkpoint(r50, "resnet50", False)
+    online, _ = write_authors_checkpoint(r50, "resnet50", False, twins=True)
     assert exit_message("detection/convert-pretrain-to-detectron2.py", r50, tmp_path / "r50.pkl") is None
     with open(tmp_path / "r50.pkl", "rb") as f:
         model = pickle.load(f)["model"]
