@@ -12,6 +12,8 @@ A file found is {"kind": "foreign", "what": its line, "trunks": {"online": state
 {"arch", "small_input"}, "normalize": (mean, std) or None}: its trunks' arch and stem read from the weights' shapes and
 checked against what the file itself says of them (the SCE authors' hyper_parameters' trunk, MoCo's arch, DINO's
 args), its input normalisation where the file records one (the SCE authors' transforms)."""
+import re
+
 from sce import UserError
 from sce.unpickling import Inert, Refused, inert_fields
 
@@ -93,7 +95,7 @@ def plain(obj, budget=None, depth=0):
         for key in ("_content", "_val"):
             if key in fields:
                 return plain(fields[key], budget, depth + 1)
-        return obj
+        return plain(obj.items, budget, depth + 1) if obj.items else obj  # a dict's subclass (AttributeDict)
     if isinstance(obj, dict):
         return {k: plain(v, budget, depth + 1) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -127,8 +129,9 @@ def _stated(obj):
         trunk = hparams.get("trunk") if isinstance(hparams, dict) else None
         trunk = trunk if isinstance(trunk, dict) else {}
         transforms = [hparams.get(k) for k in ("train_transform", "val_transform", "test_transform")]
-        small = trunk.get("small_input")
-        return trunk.get("name"), small if isinstance(small, bool) else None, find_normalize(transforms)
+        name, small = trunk.get("name"), trunk.get("small_input")
+        name = name if isinstance(name, str) and re.fullmatch(r"[a-z0-9_]+", name) else None  # not "${...}"
+        return name, small if isinstance(small, bool) else None, find_normalize(transforms)
     args = obj.get("args")
     arch = obj.get("arch") if isinstance(obj.get("arch"), str) else inert_fields(args).get("arch")
     return (arch if isinstance(arch, str) else None), None, None

@@ -221,7 +221,8 @@ def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path, r18)
 
 def test_a_small_input_trunk_of_no_known_size_is_refused_before_any_folder(tmp_path, imports):
     """The authors' CIFAR trunk on an ImageFolder (main_lincls.py) or VOC07 (main_lowshot.py), no --crop-size: one
-    line naming --crop-size, the output folder not made (the file read first)."""
+    line naming --crop-size, the output folder not made (the file read first). A file whose stated trunk settings
+    contradict its weights is refused."""
     path = tmp_path / "epoch=199.ckpt"
     write_authors_checkpoint(path)
     data = write_imagefolder(tmp_path / "data", 2, 2, 8)
@@ -230,6 +231,11 @@ def test_a_small_input_trunk_of_no_known_size_is_refused_before_any_folder(tmp_p
         assert message.startswith("error: a small-input trunk whose file records no crop size, on --dataset ") and \
             "pass --crop-size" in message, message
         assert not (tmp_path / "o").exists()
+    # a file whose hyper_parameters' trunk contradicts its weights: refused, not guessed
+    write_authors_checkpoint(path, stated={"small_input": False})
+    with pytest.raises(UserError, match=r"\(the SCE authors' Lightning checkpoint, epoch 199\) says its trunk is a "
+                                        r"resnet18 but its weights are those of a resnet18 \(small input\)"):
+        check_trunk(str(path))
     assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
 
 
