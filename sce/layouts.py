@@ -227,6 +227,7 @@ class NotABatch(Refused):
     """A CIFAR file whose content is not the release's structure (its line names the file)."""
 
 
+MAX_BATCH_BYTES = 512 * 2 ** 20
 LABEL_KEYS = ("labels", "fine_labels")  # CIFAR-10's, CIFAR-100's
 NAME_KEYS = ("label_names", "fine_label_names")  # their meta files'
 
@@ -244,6 +245,9 @@ def read_batch(path, classes=None):
     array rebuilding, or build an array of another dtype than plain numbers, or more objects than the bound, is
     Refused), then checked to be exactly the release's structure before anything walks it (batch_structure). A batch
     is returned with its labels a list of ints (`classes`: each below it) and `data` a plain (N, 3072) uint8 array."""
+    size = os.path.getsize(path)
+    if size > MAX_BATCH_BYTES:  # a single op of its pickle could hold all of it in memory
+        raise NotABatch(f"{path} is {size / 2 ** 20:.0f} MiB, more than any CIFAR file (CIFAR-100's train: 155 MiB)")
     with open(path, "rb") as f:
         unpickling.scan(f)
         entry = _Batch(f).load()

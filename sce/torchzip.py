@@ -9,6 +9,7 @@ import torch
 
 from sce.unpickling import Reader, Refused, inert, latin1, scan
 
+MAX_PICKLE_BYTES = 2 ** 30
 STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
                   "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
@@ -103,6 +104,9 @@ class Archive:
             if order in names and z.read(order).strip() not in (b"", b"little"):
                 raise Refused("it was written on a big-endian machine, which this reader does not convert")
             self.sizes = {n: z.getinfo(n).file_size for n in names}
+        if self.sizes[pickles[0]] > MAX_PICKLE_BYTES:  # the structure alone: the tensors' data lies beside it
+            raise Refused(f"its pickle is {self.sizes[pickles[0]] / 2 ** 20:.0f} MiB, more than any checkpoint's "
+                          "structure")
 
     def load(self, placeholders=inert):
         """(the object of data.pkl, its tensors Stored, the names placeholders stood for in it): nothing is read of
