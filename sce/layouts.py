@@ -70,6 +70,7 @@ DATASETS = {
         "annotated-val", Download("tiny-imagenet-200", "Tiny-ImageNet's folders (train/<wnid>/images, val/images "
                                   "and val/val_annotations.txt)", ("wnids.txt",)),
         native_size=64)}
+META_NAMES = {n for row in DATASETS.values() if row.download and row.download.files for n in row.download.files.meta}
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # torchvision's
 STL_IMAGE = 3 * 96 * 96
 CIFAR_IMAGE = 3 * 32 * 32
@@ -239,19 +240,20 @@ class _Batch(unpickling.Reader):
         super().__init__(f, unpickling.NUMPY_BUILT, encoding="latin1")
 
 
-def read_batch(path, classes=None):
+def read_batch(path, classes=None, meta=False):
     """A CIFAR python batch or meta file unpickled as the release's Python 2 files need (latin-1), without running
     code and within a bound on the objects it builds (sce.unpickling: a pickle that would call anything but numpy's
     array rebuilding, or build an array of another dtype than plain numbers, or more objects than the bound, is
     Refused), then checked to be exactly the release's structure before anything walks it (batch_structure). A batch
-    is returned with its labels a list of ints (`classes`: each below it) and `data` a plain (N, 3072) uint8 array."""
+    is returned with its labels a list of ints (`classes`: each below it) and `data` a plain (N, 3072) uint8 array;
+    `meta`: the file is the meta file (its class names), else a batch."""
     size = os.path.getsize(path)
     if size > MAX_BATCH_BYTES:  # a single op of its pickle could hold all of it in memory
         raise NotABatch(f"{path} is {size / 2 ** 20:.0f} MiB, more than any CIFAR file (CIFAR-100's train: 155 MiB)")
     with open(path, "rb") as f:
         unpickling.scan(f)
         entry = _Batch(f).load()
-    return batch_structure(entry, path, classes)
+    return batch_structure(entry, path, classes, meta)
 
 
 def _a(obj):
@@ -264,7 +266,7 @@ def _strings(value):
     return isinstance(value, list) and all(isinstance(v, (str, bytes)) for v in value)
 
 
-def batch_structure(entry, path, classes=None):
+def batch_structure(entry, path, classes=None, meta=False):
     """`entry` if it is the release's structure, NotABatch naming the first difference: a dict of str keys; a batch's
     labels (LABEL_KEYS) a list of ints or a 1-d integer array, each of `classes`, its `data` a uint8 array of N rows
     of 3072 bytes, N its labels; a meta file's class names (NAME_KEYS) a list of strings; any other value a string, an
@@ -272,13 +274,13 @@ def batch_structure(entry, path, classes=None):
     shared references (a list of itself, 40 deep) are refused, never expanded."""
     if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
         raise NotABatch(f"{path} holds {_a(entry)}, not a CIFAR batch (a dict of data and labels)")
-    key = next((k for k in LABEL_KEYS if k in entry), None)
-    if key is None and "data" not in entry:
+    key, keys = next((k for k in LABEL_KEYS if k in entry), None), ", ".join(sorted(entry))[:80]
+    if meta:
         if not any(_strings(entry.get(k)) for k in NAME_KEYS):
-            raise NotABatch(f"{path} holds neither labels nor class names (keys: {', '.join(sorted(entry))[:80]}): "
-                            "it is no CIFAR batch or meta file")
+            raise NotABatch(f"{path} holds no class names ({' or '.join(NAME_KEYS)}; keys: {keys}): it is no CIFAR "
+                            "meta file")
     elif key is None:
-        raise NotABatch(f"{path} holds images but no labels (keys: {', '.join(sorted(entry))[:80]})")
+        raise NotABatch(f"{path} holds {'images but ' if 'data' in entry else ''}no labels (keys: {keys})")
     else:
         entry = dict(entry, **{key: _labels(entry[key], path, classes), "data": _images(entry.get("data"), path)})
         if len(entry["data"]) != len(entry[key]):
@@ -336,7 +338,7 @@ def damaged_batch(folder, names, classes=10):
     for name in [n for n in names if not n.endswith(".bin")]:
         path = os.path.join(folder, name)
         try:
-            read_batch(path, classes)
+            read_batch(path, classes, meta=name in META_NAMES)
         except NotABatch as e:
             return str(e)
         except unpickling.Refused as e:

@@ -73,7 +73,8 @@ def shared_lists(levels):
     (shared_lists(40), "holds a list, not a CIFAR batch (a dict of data and labels)"),
     ({"labels": [0, 1], "data": np.zeros((2, 3072), np.uint8), "filenames": shared_lists(40)},
      "holds a list under 'filenames', which CIFAR's files never do"),
-    ({"labels": np.arange(2), "data": np.zeros((3, 3072), np.uint8)}, "holds 3 images for 2 labels")])
+    ({"labels": np.arange(2), "data": np.zeros((3, 3072), np.uint8)}, "holds 3 images for 2 labels"),
+    ({"label_names": ["a", "b"]}, "holds no labels (keys: label_names)")])
 def test_a_batch_not_of_the_release_structure_is_one_line_at_the_check_and_the_reader(tmp_path, batch, line):
     """Labels that are an int, a 0-d array, lists; a dict without labels; 40 levels of shared lists (2**40 objects
     if walked): the layout check (main_pretrain.py's, main_lincls.py's) and the reader reproduce.sh uses both refuse it

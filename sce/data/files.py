@@ -92,7 +92,7 @@ class CIFARFiles(Dataset):
         entries = [read_batch(os.path.join(folder, n)) for n in (files.train if train else files.test)]
         self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         self.targets = [int(t) for e in entries for t in labels(e)]
-        names = read_batch(os.path.join(folder, files.meta[0]))
+        names = read_batch(os.path.join(folder, files.meta[0]), meta=True)
         self.classes = names.get("fine_label_names", names.get("label_names"))  # CIFAR-100's, CIFAR-10's
         self.transform = transform
 
