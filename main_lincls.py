@@ -147,7 +147,7 @@ def evaluate(args, source, device):
     split.mark("trunk")
     named = frozen.trunk  # the trunk --pretrained names, which a resumed probe must hold
     if args.resume and args.pretrained:
-        named = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder)[0]
+        named = load_trunk(args.pretrained, args.arch, args.small_input, args.encoder, say=False)[0]
         if outdir.trunk_digest(named) != outdir.trunk_digest(frozen.trunk):
             raise UserError(f"{args.resume} is a probe of another trunk than {args.pretrained}'s: pass another "
                             "--output-dir (or --resume none into an empty one) to probe this trunk")
