@@ -1,6 +1,10 @@
-"""benchmarks/fidelity/reencode.py's copy is whole or absent: every image and folder (linked ones once, a loop
-refused), no two images into one file, no foreign or other copy overwritten, a copy cut short by kill -9 finished, and a
-failure or a stop leaving neither its partial copy nor its workers. (Its pixels: test_cifar10_gap.py.)"""
+"""benchmarks/fidelity/reencode.py's copy is whole or refused: every image and folder (linked ones once, a loop
+refused), no two images into one file, nothing unreadable skipped, no foreign or other copy overwritten, only a folder it
+made ever removed (the source whole after any refusal, failure or stop), a copy cut short by a stop or a kill finished,
+one line for every error, and a stop signal at each phase exit 75 with one line, no worker left, the same command then
+finishing the copy an uninterrupted run makes. (Its pixels: test_cifar10_gap.py.)"""
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +20,7 @@ from sce import UserError, alive
 from test_cifar10_gap import bench
 from test_health import children
 
-reencode = bench("reencode")
+reencode = sys.modules["reencode"] = bench("reencode")  # by that name, as proxies.py imports it: a pool's tasks
 
 
 def write_tree(root, classes=("a", "b"), per_class=2):
@@ -68,11 +72,12 @@ def test_a_copy_cut_short_by_a_kill_is_finished_as_a_whole_one(tmp_path, capsys)
     src = write_tree(tmp_path / "src")
     whole = reencode.reencode(str(src), str(tmp_path / "whole"), 60)
     partial = tmp_path / "cut.partial"  # what a kill -9 left: the marker, one image, another half-written
-    reencode.start_partial(str(src), str(partial), 60, ["train/a", "train/b", "val"])
+    reencode.own_partial(str(src), str(partial), 60)
+    reencode.start_partial(str(partial), ["train/a", "train/b", "val"])
     reencode.copy_one(str(src), str(partial), 60, "train/a/0.png")
     (partial / "train" / "b" / "1.jpg.tmp").write_bytes(b"\xff\xd8half")
     cut = reencode.reencode(str(src), str(tmp_path / "cut"), 60)
-    assert f"=> {partial}: a copy cut short (kill -9); finishing it" in capsys.readouterr().out
+    assert f"=> {partial}: a copy cut short (a stop, a kill); finishing it" in capsys.readouterr().out
     assert cut["psnr_db"] == whole["psnr_db"] and not os.path.exists(partial)
     files = reencode.image_files(str(tmp_path / "whole"))
     assert [(tmp_path / "cut" / f).read_bytes() for f in files] == [(tmp_path / "whole" / f).read_bytes()
@@ -80,50 +85,134 @@ def test_a_copy_cut_short_by_a_kill_is_finished_as_a_whole_one(tmp_path, capsys)
     assert sorted(os.listdir(tmp_path / "cut" / "train" / "b")) == ["0.jpg", "1.jpg"]
 
 
-SLOW = """
-import os, runpy, sys, time
-from PIL import Image
-real = Image.open
-def slow(*args, **kwargs):  # each image a while: the pool is at work when the signal comes
-    print("OPENING", os.getpid(), flush=True)
-    time.sleep(0.2)
-    return real(*args, **kwargs)
-Image.open = slow
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
-def run_reencode(args, until=None):
-    """benchmarks/fidelity/reencode.py ARGS with each image opened slowly; SIGTERM once a worker opens one (`until`)."""
-    script = os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")
-    proc = subprocess.Popen([sys.executable, "-c", SLOW, script] + args,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    workers = []
-    for line in proc.stdout if until else ():
-        if line.startswith("OPENING") and int(line.split()[1]) != proc.pid:
-            workers = children(proc.pid)
-            proc.send_signal(signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=60)
-    return proc.returncode, out, err, workers
+def contents(root):
+    """{path under root: bytes of a file, the target of a link, else None}: everything there, to compare."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            found[os.path.relpath(path, root)] = (os.readlink(path) if os.path.islink(path) else
+                                                  open(path, "rb").read() if os.path.isfile(path) else None)
+    return found
 
 
-def test_an_unreadable_image_or_a_stop_leaves_one_line_no_partial_copy_and_no_worker(tmp_path):
-    src = write_tree(tmp_path / "src", per_class=8)
+def foreign_partial(tmp_path, src):
+    (tmp_path / "dst.partial").mkdir()
+    (tmp_path / "dst.partial" / "mine.txt").write_text("a user's")
+
+
+def other_marker(tmp_path, src):
+    (tmp_path / "dst.partial").mkdir()
+    (tmp_path / "dst.partial" / reencode.MARKER).write_text(json.dumps(dict(src=str(tmp_path / "other"), quality=50)))
+
+
+@pytest.mark.parametrize("src_name, dst_name, make, said", [
+    ("imgs.partial", "imgs", None, r"SRC .*imgs.partial and .*imgs.partial are one folder"),
+    ("d.partial/in", "d", None, r"SRC .*d.partial/in and .*d.partial are one folder or one holds the other"),
+    ("src", "src/train/copy", None, r"SRC .*src and .*src/train/copy are one folder or one holds the other"),
+    ("src", "dst", foreign_partial, r"dst.partial exists and reencode.py did not make it \(it has no \.reencode\.json"
+                                    r"\): it is left as it is; rename or remove it, or pass another DST"),
+    ("src", "dst", other_marker, r"dst.partial is a copy of .*other at quality 50 cut short: finish it with that SRC"),
+])
+def test_a_refusal_touches_nothing(tmp_path, src_name, dst_name, make, said):
+    """A SRC that is, lies in or holds DST.partial or DST, a user's DST.partial, one of another copy: refused before
+    anything is written or removed (issue 61: `reencode.py imgs.partial imgs` removed its source)."""
+    write_tree(tmp_path / src_name)
+    if make:
+        make(tmp_path, tmp_path / src_name)
+    before = contents(tmp_path)
+    with pytest.raises(UserError, match=said):
+        reencode.reencode(str(tmp_path / src_name), str(tmp_path / dst_name), 50)
+    assert contents(tmp_path) == before
+
+
+def test_a_failure_removes_only_its_own_partial_copy_and_a_stop_keeps_it_to_finish(tmp_path, monkeypatch):
+    src = write_tree(tmp_path / "src", per_class=4)
+    whole = reencode.reencode(str(src), str(tmp_path / "whole"), 50)
+    source = contents(src)
     (src / "train" / "b" / "bad.png").write_bytes(b"\x89PNG not really")
-    code, out, err, _ = run_reencode([str(src), str(tmp_path / "dst"), "--quality", "50", "--workers", "2"])
-    assert code == 1 and err == (f"error: cannot read {src / 'train' / 'b' / 'bad.png'} (UnidentifiedImageError: "
-                                 f"cannot identify image file '{src / 'train' / 'b' / 'bad.png'}'): fix or remove it\n")
-    assert not os.path.exists(tmp_path / "dst.partial")
+    with pytest.raises(UserError, match=r"cannot read .*train/b/bad.png \(UnidentifiedImageError: cannot identify"):
+        reencode.reencode(str(src), str(tmp_path / "dst"), 50, workers=2)  # a failure mid-copy, in a worker
+    assert not os.path.lexists(tmp_path / "dst.partial") and not os.path.lexists(tmp_path / "dst")
     os.remove(src / "train" / "b" / "bad.png")
-    code, out, err, workers = run_reencode([str(src), str(tmp_path / "dst"), "--quality", "50", "--workers", "2"],
-                                           until=True)
-    assert code == 75 and out.endswith("=> reencode.py stopped by SIGTERM: nothing kept; run the same command again "
-                                       "(exiting with code 75)\n") and not err, (code, out, err)
-    deadline = time.time() + 10
-    while any(alive(pid) for pid in workers) and time.time() < deadline:
-        time.sleep(0.1)
-    assert len(workers) == 2 and not any(alive(pid) for pid in workers)
-    assert not os.path.exists(tmp_path / "dst.partial") and not os.path.exists(tmp_path / "dst")
-    assert reencode.reencode(str(src), str(tmp_path / "dst"), 50)["images"] == 16  # the same command again
+    real = os.write
+    monkeypatch.setattr(reencode, "open", lambda *a, **k: Full(real) if a[1:] == ("wb",) else open(*a, **k),
+                        raising=False)
+    with pytest.raises(UserError, match=r"cannot write .*dst.partial/train/a/0.jpg \(No space left on device\): free "
+                                        r"some space, or pass a DST where this user can write"):
+        reencode.reencode(str(src), str(tmp_path / "dst"), 50)
+    assert not os.path.lexists(tmp_path / "dst.partial")
+    monkeypatch.undo()
+    asked = []
+    with pytest.raises(reencode.Stopped):  # proxies.py's stop request, after 3 images
+        reencode.reencode(str(src), str(tmp_path / "dst"), 50, stopping=lambda: asked.append(1) or len(asked) > 3)
+    assert len(reencode.image_files(str(tmp_path / "dst.partial"))) == 3  # kept, ours: the same command finishes it
+    again = reencode.reencode(str(src), str(tmp_path / "dst"), 50)
+    assert again["psnr_db"] == whole["psnr_db"] and not os.path.lexists(tmp_path / "dst.partial")
+    assert contents(tmp_path / "dst") == contents(tmp_path / "whole") and contents(src) == source
+
+
+class Full:
+    """A file on a full disk: its writes fail with ENOSPC."""
+
+    def __init__(self, real):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def unreadable_folder(src, monkeypatch):
+    real, denied = os.scandir, str(src / "train" / "b")
+    monkeypatch.setattr(os, "scandir", lambda path=".": (_ for _ in ()).throw(PermissionError(
+        errno.EACCES, os.strerror(errno.EACCES), path)) if str(path) == denied else real(path))
+
+
+def read_only_parent(src, monkeypatch):
+    real = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: (_ for _ in ()).throw(PermissionError(
+        errno.EACCES, os.strerror(errno.EACCES), path)) if str(path).endswith("dst.partial") else real(path, *a, **k))
+
+
+@pytest.mark.parametrize("make, said", [
+    (unreadable_folder, r"cannot read the folder .*src/train/b \(Permission denied\): make it readable, or move it"),
+    (lambda src, mp: os.symlink(src / "gone.png", src / "train" / "a" / "x.png"),
+     r"cannot read .*src/train/a/x.png \(No such file or directory, a link to nothing\): fix or remove it"),
+    (lambda src, mp: os.mkfifo(src / "train" / "a" / "x.png"),
+     r"src/train/a/x.png is no image file but a FIFO: remove it, or rename it without an image extension"),
+    (lambda src, mp: os.makedirs(src / "train" / "a" / "0.jpg"),
+     r"src/train/a/0.jpg/ and .*src/train/a/0.png would both be written as .*dst/train/a/0.jpg: rename one"),
+    (read_only_parent, r"cannot write .*dst.partial \(Permission denied\)"),
+    (lambda src, mp: (os.makedirs(src.parent / "empty"), os.symlink(src.parent / "empty", src.parent / "dst")),
+     r"dst is a link \(to .*empty\): pass the folder itself, or another DST"),
+])
+def test_a_copy_is_whole_or_refused_in_one_line(tmp_path, monkeypatch, make, said):
+    """An unreadable folder (os.walk skips it), a link to nothing or a FIFO named as an image, an image written over a
+    folder, a folder where none can be made, DST a link: one line naming it, nothing written."""
+    src = write_tree(tmp_path / "src")
+    make(src, monkeypatch)
+    before = contents(tmp_path)
+    with pytest.raises(UserError, match=said):
+        reencode.reencode(str(src), str(tmp_path / "dst"), 50)
+    assert contents(tmp_path) == before  # (both read as patched)
+
+
+def test_a_fifo_is_refused_not_waited_on_and_workers_are_capped_or_refused(tmp_path, capsys):
+    os.mkfifo(tmp_path / "x.png")  # made after the listing: opened, it would wait for a writer for ever
+    with pytest.raises(UserError, match=r"x.png is no image file but a FIFO"):
+        reencode.read_image(str(tmp_path / "x.png"))
+    src = write_tree(tmp_path / "src", per_class=1)
+    with pytest.raises(UserError, match=r"--workers 0: give 1 or more"):
+        reencode.main([str(src), str(tmp_path / "dst"), "--quality", "50", "--workers", "0"])
+    cores = len(os.sched_getaffinity(0))
+    reencode.main([str(src), str(tmp_path / "dst"), "--quality", "50", "--workers", "64"])
+    assert capsys.readouterr().out.startswith(f"=> --workers 64 is more than the {cores} core(s) this process has: "
+                                              f"using {cores}\n")
