@@ -20,7 +20,7 @@ from sce import UserError, alive
 from test_cifar10_gap import bench
 from test_health import children
 
-reencode = sys.modules["reencode"] = bench("reencode")  # by that name, as proxies.py imports it: a pool's tasks
+reencode = bench("reencode")
 
 
 def write_tree(root, classes=("a", "b"), per_class=2):
@@ -216,3 +216,96 @@ def test_a_fifo_is_refused_not_waited_on_and_workers_are_capped_or_refused(tmp_p
     reencode.main([str(src), str(tmp_path / "dst"), "--quality", "50", "--workers", "64"])
     assert capsys.readouterr().out.startswith(f"=> --workers 64 is more than the {cores} core(s) this process has: "
                                               f"using {cores}\n")
+
+
+# reencode.py run with a stop signal sent at a named point of its work (not after a delay): the phase's call sends it
+# to the process group (the script and its workers, as a terminal's Ctrl-C or SLURM's signal), the first time only
+AT_PHASE = """
+import builtins, os, runpy, signal, sys
+phase, name, script = sys.argv[1:4]
+sys.argv = sys.argv[3:]
+dst = os.path.abspath(sys.argv[2])
+fired = []
+
+def fire():
+    if not fired:
+        fired.append(1)
+        if name == "SIGKILL":  # the parent killed outright, from a worker: the workers must end with it
+            print("WORKERS", " ".join(sorted(p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getppid())
+                  and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getppid()))), flush=True)
+            os.kill(os.getppid(), signal.SIGKILL)
+        else:
+            os.killpg(0, signal.Signals[name])
+
+def hook(module, attr, when, after=True):
+    real = getattr(module, attr)
+    def call(*args, **kwargs):
+        if not after and when(*args):
+            fire()
+        out = real(*args, **kwargs)
+        if after and when(*args):
+            fire()
+        return out
+    setattr(module, attr, call)
+
+if phase == "import":  # the script's own imports, numpy the first
+    hook(builtins, "__import__", lambda n, *a: n == "numpy", after=False)
+elif phase == "listing":
+    hook(os, "walk", lambda *a: True, after=False)
+elif phase == "partial":  # DST.partial made, its marker not yet written
+    hook(os, "mkdir", lambda path, *a: str(path).endswith(".partial"))
+elif phase == "copy":  # the first image written (in a worker, with --workers 2)
+    hook(os, "replace", lambda a, b, *r: str(b).endswith(".jpg"))
+elif phase == "marker":  # the finished copy's marker written, DST.partial not renamed yet
+    marks = []
+    hook(os, "replace", lambda a, b, *r: str(b).endswith(".reencode.json") and (marks.append(1) or len(marks) == 2))
+elif phase == "rename":  # the rename to DST itself
+    hook(os, "replace", lambda a, b, *r: os.path.abspath(b) == dst, after=False)
+runpy.run_path(script, run_name="__main__")
+"""
+STOPPED = "run the same command again to finish the copy (exiting with code 75)\n"
+
+
+@pytest.mark.parametrize("phase, name, workers, code, said", [
+    ("import", "SIGTERM", 1, 75, "=> reencode.py stopped by SIGTERM while starting, before copying anything: run the "
+                                 "same command again (exiting with code 75)\n"),
+    ("listing", "SIGINT", 2, 75, "=> reencode.py stopped by SIGINT before copying anything: run the same command "
+                                 "again (exiting with code 75)\n"),
+    ("partial", "SIGUSR1", 2, 75, "=> reencode.py stopped by SIGUSR1: what was copied is kept in {dst}.partial; "
+                                  + STOPPED),
+    ("copy", "SIGTERM", 1, 75, "=> reencode.py stopped by SIGTERM: what was copied is kept in {dst}.partial; "
+                               + STOPPED),
+    ("copy", "SIGUSR1", 2, 75, "=> reencode.py stopped by SIGUSR1: what was copied is kept in {dst}.partial; "
+                               + STOPPED),
+    ("copy", "SIGINT", 2, 75, "=> reencode.py stopped by SIGINT: what was copied is kept in {dst}.partial; " + STOPPED),
+    ("copy", "SIGKILL", 2, -9, ""),
+    ("marker", "SIGTERM", 2, 75, "=> reencode.py stopped by SIGTERM: what was copied is kept in {dst}.partial; "
+                                 + STOPPED),
+    ("rename", "SIGINT", 2, 0, "=> reencode.py: SIGINT came once the copy was whole: nothing is left to do\n"),
+])
+def test_a_stop_at_each_phase_exits_75_in_one_line_and_the_same_command_finishes_the_copy(tmp_path, phase, name,
+                                                                                          workers, code, said):
+    """SIGTERM, SIGINT, SIGUSR1 at each phase (the imports, the listing, DST.partial made, a worker's first image, the
+    finished marker): exit 75, one line, nothing on stderr (no worker's traceback), no worker left; at the rename
+    itself the copy is whole: exit 0 and a line. A kill -9 of the script ends its workers with it. The same command
+    then makes the copy an uninterrupted run makes, byte for byte."""
+    src = write_tree(tmp_path / "src", per_class=20)  # 40 images: 3 tasks of 16, both workers busy
+    whole = reencode.reencode(str(src), str(tmp_path / "whole"), 50)
+    dst = tmp_path / "dst"
+    script = os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")
+    proc = subprocess.run([sys.executable, "-c", AT_PHASE, phase, name, script, str(src), str(dst), "--quality", "50",
+                           "--workers", str(workers)], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          start_new_session=True)  # a group of its own: the signal reaches no other process
+    lines = proc.stdout.splitlines(keepends=True)
+    assert proc.returncode == code and not proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
+    if name != "SIGKILL":
+        assert lines[-1] == said.format(dst=dst)
+    else:
+        workers = [int(p) for p in lines[-1].split()[1:]]
+        deadline = time.time() + 10
+        while any(alive(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(workers) == 2 and not any(alive(pid) for pid in workers)
+    again = reencode.reencode(str(src), str(dst), 50)
+    assert again["images"] == 40 and again["psnr_db"] == whole["psnr_db"] and again["existed"] == (code == 0)
+    assert contents(dst) == contents(tmp_path / "whole") and not os.path.lexists(str(dst) + ".partial")

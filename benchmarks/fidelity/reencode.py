@@ -38,11 +38,11 @@ if __name__ == "__main__":  # first, before the imports of numpy and PIL
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402
-import functools  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
+import multiprocessing.connection  # noqa: E402
 import shutil  # noqa: E402
 import stat  # noqa: E402
 import time  # noqa: E402
@@ -61,28 +61,33 @@ class Stopped(BaseException):
     """A stop signal (or a caller's stop request) while work is left: leave through every cleanup, as Ctrl-C does."""
 
 
-STOP = argparse.Namespace(signal=None, finished=False)  # the script's: the first stop signal; the copy renamed to DST
+# the script's: the first stop signal, the held() blocks under way, whether the copy was renamed to DST
+STOP = argparse.Namespace(signal=None, holding=0, finished=False)
 
 
 def stop(signum, frame):
-    """The script's stop signals: the first raises Stopped wherever the work is, unless the copy was finished (then it
-    is only recorded); later ones are ignored, so the clean-up runs once."""
+    """The script's stop signals: the first raises Stopped wherever the work is, but inside a held() block (it is
+    raised at the block's end) or once the copy was finished (it is only recorded); later ones are ignored, so the
+    clean-up runs once."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     STOP.signal = signal.Signals(signum).name
-    if not STOP.finished:
+    if not STOP.holding and not STOP.finished:
         raise Stopped(STOP.signal)
 
 
 @contextlib.contextmanager
-def held():
-    """The stop signals wait (blocked) until the block ends: what it makes is made whole (a folder and its marker).
-    The pool's threads block them for good (started in such a block): the main thread takes every one."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+def held(then_stop=True):
+    """A stop signal waits until the block ends: what it makes is made whole (a folder and its marker). Not the
+    signal mask: another thread (numpy's OpenBLAS ones) would take the signal, and Python run its handler in the
+    main thread at once. A worker forked here starts so, until it ignores the signals (worker_start)."""
+    STOP.holding += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        STOP.holding -= 1
+    if then_stop and STOP.signal and not STOP.holding and not STOP.finished:
+        raise Stopped(STOP.signal)
 
 
 @contextlib.contextmanager
@@ -221,45 +226,73 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def worker_start():
-    """A pool worker ends with its parent however that ends (the kernel's SIGKILL once it is gone, kill -9 included;
-    sce.preemption.end_with_parent's way, without its torch), and leaves a stop to it: Ctrl-C is ignored, SIGTERM
-    (Pool.terminate's) and SIGUSR1 end it silently. Forked from a held() block: the signals are released here."""
+    """A copying process ends with its parent however that ends (the kernel's SIGKILL once it is gone, kill -9
+    included; sce.preemption.end_with_parent's way, without its torch), and leaves a stop to it: the stop signals,
+    which a terminal or SLURM sends to every process, are ignored (the parent ends its workers)."""
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):  # no prctl: not Linux
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def copy_part(src, partial, quality, rels, conn):
+    """A worker: copies `rels`, then sends ("done", (squared error, values)) or ("error", its one line) to conn."""
+    worker_start()
+    try:
+        conn.send(("done", copy_some(src, partial, quality, rels)))
+    except Exception as e:  # noqa: BLE001: the parent reports it, in one line
+        conn.send(("error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
 
 
 def copy_some(src, partial, quality, rels):
-    """(squared error, values) of the copies of `rels`: a pool's task."""
+    """(squared error, values) of the copies of `rels`."""
     sums = [copy_one(src, partial, quality, rel) for rel in rels]
     return sum(s[0] for s in sums), sum(s[1] for s in sums)
 
 
 def copy_all(src, partial, files, quality, workers, stopping):
-    """(squared error, values) summed over the copies of `files` into partial, by `workers` processes (16 images a
-    task); Stopped between two images or tasks once stopping() (a caller's stop request, e.g. proxies.py's)."""
-    tasks, sums = [files[i:i + 16] for i in range(0, len(files), 16)], []
+    """(squared error, values) summed over the copies of `files` into partial, by `workers` processes (each every
+    workers-th image, its own pipe: no lock shared, so a stop or a failure ends them all at once with SIGKILL); a
+    stop (stopping(), a caller's request such as proxies.py's, or a signal) is Stopped within half a second."""
+    sums = []
     if workers <= 1:
         for rel in files:
             if stopping():
                 raise Stopped("a stop request")
             sums.append(copy_one(src, partial, quality, rel))
-    else:
-        with held():
-            pool = multiprocessing.get_context("fork").Pool(workers, worker_start)
-        with pool:  # terminated on any exit
-            results = pool.imap_unordered(functools.partial(copy_some, src, partial, quality), tasks)
-            while len(sums) < len(tasks):  # a worker a stop signal ended takes its task with it: look again
-                if stopping():
-                    raise Stopped("a stop request")
-                with contextlib.suppress(multiprocessing.TimeoutError):
-                    sums.append(results.next(timeout=0.5))
+        return sum(s[0] for s in sums), sum(s[1] for s in sums)
+    context, procs, waiting = multiprocessing.get_context("fork"), [], {}
+    try:
+        with held(then_stop=False):  # a worker forked meanwhile must not raise the signal (it is then ignored)
+            for i in range(workers):
+                ours, theirs = context.Pipe(duplex=False)
+                procs.append(context.Process(target=copy_part, args=(src, partial, quality, files[i::workers], theirs),
+                                             daemon=True))
+                procs[-1].start()
+                theirs.close()
+                waiting[ours] = procs[-1]
+        while waiting:
+            if stopping() or STOP.signal:
+                raise Stopped(STOP.signal or "a stop request")
+            for conn in multiprocessing.connection.wait(list(waiting), timeout=0.5):
+                proc = waiting.pop(conn)
+                try:
+                    kind, value = conn.recv()
+                except EOFError:
+                    proc.join()
+                    raise UserError(f"a copying process ended without a word (exit {proc.exitcode}): run the same "
+                                    "command again") from None
+                if kind == "error":
+                    raise UserError(value)
+                sums.append(value)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.join()
     return sum(s[0] for s in sums), sum(s[1] for s in sums)
 
 
@@ -323,8 +356,8 @@ def start_partial(partial, folders):
 
 def remove_ours(partial):
     """Remove DST.partial, ours (it has our marker), its marker last: a kill midway leaves it still ours. What cannot
-    be removed stays (the failure that led here is the one reported)."""
-    with held():
+    be removed stays (the failure that led here is the one reported, not a stop that came meanwhile)."""
+    with held(then_stop=False):
         for name in os.listdir(partial):
             path = os.path.join(partial, name)
             if name != MARKER:
@@ -387,13 +420,18 @@ def main(argv=None):
         said = reencode(args.src, args.dst, args.quality, args.workers)
     except Stopped as e:
         partial = args.dst.rstrip("/") + ".partial"
-        kept = f"what was copied is kept in {partial}; " if read_marker(partial) else ""
-        print(f"=> reencode.py stopped by {e}: {kept}run the same command again to finish the copy (exiting with code "
-              f"{STOPPED_EXIT_CODE})", flush=True)
-        sys.exit(STOPPED_EXIT_CODE)
+        stopped(e, f"what was copied is kept in {partial}; run the same command again to finish the copy"
+                if read_marker(partial) else None)
     print(json.dumps(dict(what="reencode", src=args.src, dst=args.dst, quality=args.quality, **said)), flush=True)
     if STOP.signal:
         print(f"=> reencode.py: {STOP.signal} came once the copy was whole: nothing is left to do", flush=True)
+
+
+def stopped(why, then=None):
+    """Exit STOPPED_EXIT_CODE with one line: stopped by `why`, `then` what to do (by default: nothing was begun)."""
+    then = f": {then}" if then else " before copying anything: run the same command again"
+    print(f"=> reencode.py stopped by {why}{then} (exiting with code {STOPPED_EXIT_CODE})", flush=True)
+    sys.exit(STOPPED_EXIT_CODE)
 
 
 def run():
@@ -404,10 +442,8 @@ def run():
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
-    except Stopped as e:  # before the copy began
-        print(f"=> reencode.py stopped by {e} before copying anything: run the same command again (exiting with code "
-              f"{STOPPED_EXIT_CODE})", flush=True)
-        sys.exit(STOPPED_EXIT_CODE)
+    except Stopped as e:  # before the copy began (the flags read, sce.cli imported)
+        stopped(e)
 
 
 if __name__ == "__main__":
