@@ -18,24 +18,45 @@ replaces those four calls when it imports airbench (Module.cuda/half keep the mo
 Tensor.half gives fp32, the loader's default device is the CPU, CUDA events become wall-clock marks), nothing else.
 airbench94 then takes ~5-7 s a step of 1,024 images on 2 cores, about an hour a run: start it niced in the
 background. --write-only writes the pair anywhere. Prints a JSON line an epoch and one a run, then one with the
-mean, spread and the published mean's difference.
+mean, spread and the published mean's difference. A stop (SIGTERM, SIGUSR1, Ctrl-C) exits 75 with one line, its
+decoding workers with it; the same command then goes on (a pair file written is kept).
 """
-import argparse
-import json
 import os
-import statistics
+import signal
 import sys
-import tarfile
-import time
-from concurrent.futures import ProcessPoolExecutor
-
-import numpy as np
-import torch
-from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
-from sce import UserError  # noqa: E402
+from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS, UserError  # noqa: E402  (no torch: before its seconds of import)
+
+
+def stopped(signum, frame):
+    """A stop signal, at any point: one line and PREEMPTED_EXIT_CODE at once (os._exit: no wait for the decoding
+    workers, which end with this process, nor for a training's teardown). A pair file is written whole or not at all
+    (its rename), so the same command goes on."""
+    os.write(1, f"=> calibrate_jpeg.py stopped by {signal.Signals(signum).name}: run the same command again (exiting "
+                f"with code {PREEMPTED_EXIT_CODE})\n".encode())
+    os._exit(PREEMPTED_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stopped)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tarfile  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from sce.cli import cap_processes  # noqa: E402
 from sce.layouts import image_folder  # noqa: E402
+from sce.preemption import ignore_stop_signals  # noqa: E402
 
 # the official release's label order (its batches.meta), which torchvision's CIFAR10.classes follows
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -51,7 +72,8 @@ def decode(paths):
         try:
             with Image.open(path) as image:
                 images.append(np.asarray(image.convert("RGB")))
-        except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError and truncated files are OSErrors
+        except (OSError, ValueError, Image.DecompressionBombError) as e:  # PIL's UnidentifiedImageError and truncated
+            # files are OSErrors; a header of billions of pixels is a DecompressionBombError
             raise UserError(f"{path} is not a readable image ({e}): replace or remove it") from None
         if images[-1].shape != (32, 32, 3):
             raise UserError(f"{path} is {images[-1].shape[1]}x{images[-1].shape[0]}: airbench needs CIFAR-10's "
@@ -63,7 +85,10 @@ def write_pair(data, out, workers=1):
     """out/cifar10/train.pt and test.pt from data/train and data/val, as airbench reads them; an existing file is
     kept. Returns the folder."""
     folder = os.path.join(out, "cifar10")
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make {folder} ({e.strerror}): pass an --out folder this user can write") from None
     for name, split in SPLITS.items():
         path = os.path.join(folder, name)
         if os.path.isfile(path):
@@ -78,7 +103,7 @@ def write_pair(data, out, workers=1):
         paths = [p for p, _ in samples]
         chunks = [paths[i:i + 1000] for i in range(0, len(paths), 1000)]
         if workers > 1:
-            with ProcessPoolExecutor(workers) as pool:
+            with ProcessPoolExecutor(workers, initializer=ignore_stop_signals) as pool:  # a stop is this process's
                 images = np.concatenate(list(pool.map(decode, chunks)))
         else:
             images = np.concatenate([decode(c) for c in chunks])
@@ -98,10 +123,19 @@ def import_airbench(sdist, out):
     if not os.path.isfile(sdist):
         raise UserError(f"{sdist} not found: `pip download airbench==0.1.8 --no-deps -d .whl/` (on a machine with "
                         "a package index), then pass --airbench .whl/airbench-0.1.8.tar.gz")
-    with tarfile.open(sdist) as tar:
-        top = tar.getnames()[0].split("/")[0]
-        if not os.path.isdir(os.path.join(out, top)):
-            tar.extractall(out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    try:
+        with tarfile.open(sdist) as tar:
+            top = tar.getnames()[0].split("/")[0]
+            if not os.path.isdir(os.path.join(out, top)):  # unpacked beside, then renamed: a stop leaves no half
+                unpacking = os.path.join(out, f".unpacking{os.getpid()}")
+                tar.extractall(unpacking, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+                os.rename(os.path.join(unpacking, top), os.path.join(out, top))
+                shutil.rmtree(unpacking)
+    except (OSError, tarfile.TarError, IndexError) as e:
+        why = "no tar archive" if isinstance(e, tarfile.ReadError) else "empty" if isinstance(e, IndexError) else (
+            getattr(e, "strerror", None) or str(e).splitlines()[0])
+        raise UserError(f"cannot unpack {sdist} ({why}): pass airbench's source distribution, "
+                        "airbench-0.1.8.tar.gz") from None
     sys.path.insert(0, os.path.join(out, top))
     import airbench
     return airbench
@@ -197,15 +231,18 @@ def main(argv=None):
                         help="processes decoding the images (default: one a core)")
     parser.add_argument("--write-only", action="store_true", help="write the pair and stop")
     args = parser.parse_args(argv)
+    for flag, value, least in ("--runs", args.runs, 1), ("--first-run", args.first_run, 0), ("--workers", args.workers, 1):
+        if value < least:
+            raise UserError(f"{flag} {value}: give {least} or more")
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.write_only:  # before the pair is written
+        raise UserError("no CUDA device here: pass --device cpu (fp32, about an hour a run on 2 cores), or "
+                        "--write-only to write the data only")
     out = os.path.abspath(args.out)
     start = time.time()
-    folder = write_pair(args.data, out, args.workers)
+    folder = write_pair(args.data, out, cap_processes(args.workers))
     print(json.dumps(dict(what="pair", folder=folder, seconds=round(time.time() - start, 1))), flush=True)
     if args.write_only:
         return
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("no CUDA device here: pass --device cpu (fp32, about an hour a run on 2 cores), or "
-                        "--write-only to write the data only")
     airbench = import_airbench(os.path.abspath(args.airbench), out)
     if args.device == "cpu":
         run_on_cpu(airbench)

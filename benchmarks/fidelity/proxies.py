@@ -38,9 +38,9 @@ REPO = os.path.dirname(os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
 sys.path.insert(0, REPO)
-from reencode import reencode  # noqa: E402
+from reencode import Stopped, reencode  # noqa: E402
 from reproduce_tools import stage_split  # noqa: E402
-from sce import PREEMPTED_EXIT_CODE, UserError  # noqa: E402  (no torch)
+from sce import PREEMPTED_EXIT_CODE, UserError, write_file  # noqa: E402  (no torch)
 
 # name: (method, flags beyond the row's, the variant it is compared with, what it measures)
 VARIANTS = {
@@ -110,15 +110,21 @@ def merged(argv, extra):
     return words[:starts[0]] + [w for i, g in enumerate(groups) if last[g[0]] == i for w in g]
 
 
-def reencoded(name, root, out):
+def reencoded(name, root, out, runner):
     """OUT/data-qN for a jpeg-qN variant: the data re-encoded at quality N, made once (reencode reads a copy it
-    finished, and refuses a folder it did not make or made from other data)."""
+    finished, and refuses a folder it did not make or made from other data). False where a stop came before the copy
+    was whole (it stops at once, the part copied kept for the next invocation) or as it ended: the variant is not
+    trained."""
     match = JPEG.match(name)
     if match:
-        said = reencode(root, os.path.join(out, f"data-q{match.group(1)}"), int(match.group(1)),
-                        len(os.sched_getaffinity(0)))
+        try:
+            said = reencode(root, os.path.join(out, f"data-q{match.group(1)}"), int(match.group(1)),
+                            len(os.sched_getaffinity(0)), stopping=lambda: runner.stopping)
+        except Stopped:
+            return False
         if not said.get("existed"):
             print(json.dumps(dict(what="reencode", quality=int(match.group(1)), **said)), flush=True)
+    return not runner.stopping
 
 
 def result(name, out, epochs):
@@ -191,17 +197,37 @@ def table(rows, out):
 def hold(out, settings):
     """OUT, held by this invocation (the lock file's descriptor, returned), if it holds no proxies of other
     settings."""
-    os.makedirs(out, exist_ok=True)
-    lock = open(os.path.join(out, ".lock"), "w")
+    try:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, ".lock"), "w")
+    except OSError as e:
+        raise UserError(f"cannot use {out} as --out ({e.strerror}): pass a folder") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UserError(f"{out} is in use by another proxies.py: wait for it to end, or pass another --out")
-    path = os.path.join(out, "proxies.json")
-    if os.path.isfile(path) and json.load(open(path)) != settings:
-        raise UserError(f"{out} holds the proxies of {json.load(open(path))}, not of {settings}: pass those "
-                        "--data, --epochs and --smoke to continue them, or another --out")
+    held = read_settings(os.path.join(out, "proxies.json"))
+    if held is not None and held != settings:
+        raise UserError(f"{out} holds the proxies of {held}, not of {settings}: pass those --data, --epochs and "
+                        "--smoke to continue them, or another --out")
     return lock
+
+
+def read_settings(path):
+    """The settings an OUT's proxies were made with (proxies.json), None where there are none yet; a file that
+    cannot be read as such is one line."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path) as f:
+            held = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path} ({e}): restore it, or remove it if the proxies there are of this "
+                        "command's --data, --epochs and --smoke") from None
+    if not isinstance(held, dict):
+        raise UserError(f"{path} holds no settings (a JSON object): restore it, or remove it if the proxies there are "
+                        "of this command's --data, --epochs and --smoke")
+    return held
 
 
 def variant_row(name, runner, rows, commands, root, out, epochs, env):
@@ -215,8 +241,9 @@ def variant_row(name, runner, rows, commands, root, out, epochs, env):
         pass
     elif runner.stopping or runner.left() <= 0 or (walls and runner.left() < statistics.median(walls)):
         status = "not run"
+    elif not reencoded(name, root, out, runner):
+        status = "stopped"
     else:
-        reencoded(name, root, out)
         argv = command(name, commands, out, epochs)
         print(f"=== {name}: {shlex.join(argv)}", flush=True)
         code = runner.run(argv, os.path.join(out, f"{name}.log"), env)
@@ -248,7 +275,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="reproduce.sh's SMOKE setting, on CPU")
     parser.add_argument("--dry-run", action="store_true", help="print each variant's command, run none")
     args = parser.parse_args(argv)
-    start, epochs = time.time(), args.epochs or (1 if args.smoke else EPOCHS)
+    start, epochs = time.time(), args.epochs if args.epochs is not None else 1 if args.smoke else EPOCHS
     if not (args.time_limit == 0 or 0 < args.time_limit < float("inf")):  # nan and -1 would stop every variant
         raise UserError(f"--time-limit {args.time_limit} is not a number of seconds: give a positive one, "
                         "or 0 for none")
@@ -268,8 +295,7 @@ def main(argv=None):
         for name in args.variants:
             print(f"=== {name}: {shlex.join(command(name, commands, out, epochs))}", flush=True)
         return
-    with open(os.path.join(out, "proxies.json"), "w") as f:
-        json.dump(settings, f)
+    write_file(os.path.join(out, "proxies.json"), json.dumps(settings))
     env = dict(os.environ, SCE_PARENT_PID=str(os.getpid()), PYTHONUNBUFFERED="1")
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "compile_cache", "inductor"))
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "compile_cache", "triton"))

@@ -89,9 +89,19 @@ if [ -f "$OUT/source" ] && [ "$(cat "$OUT/source")" != "$source_id" ]; then
 fi
 # which layout DATA_DIR holds, checked whole (a missing or truncated file is named) before any training
 # (SMOKE=1 checks the script, not the numbers: it trains on a small ImageFolder written from the data)
+# A stop during the check ends it and the script (75, one line): the check runs in the background, where Ctrl-C is
+# ignored (a traceback otherwise), and SIGTERM (forward's, or a group's) or a group's SIGUSR1 ends it silently; what
+# it writes (data.env, the SMOKE folder) is written again by the next invocation.
 smoke_dir=(); [ "${SMOKE:-0}" = 1 ] && smoke_dir=("$OUT/smoke_data")
-$PYTHON benchmarks/reproduction/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- \
-    || exit 1
+$PYTHON benchmarks/reproduction/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- &
+child=$!
+wait "$child" 2> /dev/null && code=0 || code=$?
+while kill -0 "$child" 2>/dev/null; do  # a trapped signal ended the wait, not the check
+    wait "$child" 2> /dev/null && code=0 || code=$?
+done
+child=0
+stop_if_asked
+(( code == 0 )) || exit 1
 [ "${DRY_RUN:-0}" = 1 ] || echo "$source_id" > "$OUT/source"
 # shellcheck disable=SC1091
 source "$OUT/data.env"  # FORMAT (the --dataset of the scripts), ROOT, split sizes, DEVICE (cpu or the GPU's name)
