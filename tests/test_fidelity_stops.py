@@ -23,8 +23,8 @@ from test_reproduce import ENV, SCRIPT
 proxies, calibrate = bench("proxies"), bench("calibrate_jpeg")
 
 # a script run with a stop signal sent to its process group (the script and its workers, as Ctrl-C or SLURM send
-# it) by the first call of MODULE.ATTR whose arguments' repr holds MATCH, in whichever process makes it; the sender
-# names its parent's children first
+# it; parent:NAME to the sender's parent alone) by the first call of MODULE.ATTR whose arguments' repr holds MATCH,
+# in whichever process makes it; the sender names its parent's children first
 AT_CALL = """
 import importlib, os, runpy, signal, sys
 module, attr, match, name, script = sys.argv[1:6]
@@ -38,7 +38,10 @@ def call(*args, **kwargs):
         parent = os.getppid()
         print("CHILDREN", *[p for p in os.listdir("/proc") if p.isdigit() and
                              open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(parent)], flush=True)
-        os.killpg(0, signal.Signals[name])
+        if name.startswith("parent:"):  # to the script alone, as `kill PID` sends it
+            os.kill(parent, signal.Signals[name[7:]])
+        else:
+            os.killpg(0, signal.Signals[name])
     return real(*args, **kwargs)
 
 setattr(owner, attr, call)
@@ -147,13 +150,13 @@ def test_calibration_refuses_in_one_line_before_writing(tmp_path, monkeypatch, f
 
 
 def test_calibration_stopped_while_decoding_exits_75_with_its_workers(tmp_path):
-    """SIGTERM to calibrate_jpeg.py and its two decoding workers as a worker opens its first image: one line, 75,
-    the workers gone with it (issue 61: two ~300 MB workers asleep for ever); the same command then writes the pair an
+    """SIGTERM to calibrate_jpeg.py alone as a worker opens its first image: one line, 75, its two decoding workers
+    gone with it (issue 61: two ~300 MB workers asleep for ever); the same command then writes the pair an
     uninterrupted one writes."""
     data = cifar_folder(tmp_path / "data", per_class=2)
     script = os.path.join(REPO, "benchmarks", "fidelity", "calibrate_jpeg.py")
     args = ["--data", data, "--out", tmp_path / "out", "--workers", "2", "--write-only"]
-    proc = at_call("PIL.Image", "open", ".png'", "SIGTERM", script, *args)
+    proc = at_call("PIL.Image", "open", ".png'", "parent:SIGTERM", script, *args)
     assert proc.returncode == 75 and not proc.stderr, (proc.stdout, proc.stderr)
     assert proc.stdout.splitlines()[-1] == "=> calibrate_jpeg.py stopped by SIGTERM: run the same command again " \
                                            "(exiting with code 75)"

@@ -54,7 +54,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from sce.cli import cap_processes  # noqa: E402
 from sce.layouts import image_folder  # noqa: E402
 from sce.preemption import ignore_stop_signals  # noqa: E402
 
@@ -239,7 +238,10 @@ def main(argv=None):
                         "--write-only to write the data only")
     out = os.path.abspath(args.out)
     start = time.time()
-    folder = write_pair(args.data, out, cap_processes(args.workers))
+    if args.workers > len(os.sched_getaffinity(0)):
+        from sce.cli import cap_processes  # here only: it imports torchvision's models
+        args.workers = cap_processes(args.workers)
+    folder = write_pair(args.data, out, args.workers)
     print(json.dumps(dict(what="pair", folder=folder, seconds=round(time.time() - start, 1))), flush=True)
     if args.write_only:
         return
