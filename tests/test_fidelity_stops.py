@@ -2,7 +2,6 @@
 the variant untrained; calibrate_jpeg.py's decoding stopped exits 75 in one line with its workers; reproduce.sh's
 data check signalled as a process group exits 75 in one line; each then finishes as an uninterrupted run. Flags and
 files they cannot use are one line, before anything is written. (reencode.py's own: test_reencode.py.)"""
-import json
 import os
 import struct
 import subprocess
@@ -18,6 +17,7 @@ from PIL import Image
 from conftest import REPO, write_imagefolder
 from sce import UserError, alive
 from test_cifar10_gap import CIFAR10, bench
+from test_reencode import CHILDREN
 from test_reproduce import ENV, SCRIPT
 
 proxies, calibrate = bench("proxies"), bench("calibrate_jpeg")
@@ -25,7 +25,7 @@ proxies, calibrate = bench("proxies"), bench("calibrate_jpeg")
 # a script run with a stop signal sent to its process group (the script and its workers, as Ctrl-C or SLURM send
 # it; parent:NAME to the sender's parent alone) by the first call of MODULE.ATTR whose arguments' repr holds MATCH,
 # in whichever process makes it; the sender names its parent's children first
-AT_CALL = """
+AT_CALL = CHILDREN + """
 import importlib, os, runpy, signal, sys
 module, attr, match, name, script = sys.argv[1:6]
 sys.argv = sys.argv[5:]
@@ -36,8 +36,7 @@ def call(*args, **kwargs):
     if not fired and match in repr(args):
         fired.append(1)
         parent = os.getppid()
-        print("CHILDREN", *[p for p in os.listdir("/proc") if p.isdigit() and
-                             open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(parent)], flush=True)
+        print("CHILDREN", *children(parent), flush=True)
         if name.startswith("parent:"):  # to the script alone, as `kill PID` sends it
             os.kill(parent, signal.Signals[name[7:]])
         else:
@@ -120,7 +119,8 @@ def cifar_folder(root, per_class=1):
         for name in CIFAR10:
             os.makedirs(root / split / name)
             for i in range(per_class):
-                Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(root / split / name / f"{i}.png")
+                pixels = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
     return root
 
 
@@ -186,7 +186,7 @@ def test_reproduce_data_check_signalled_as_a_group_exits_75_in_one_line(tmp_path
                               env=dict(ENV, METHODS="sce", DRY_RUN="1", PYTHON=str(python)))
         assert (proc.returncode, proc.stdout, proc.stderr) == (
             75, "", "=> interrupted: run the same command again to continue\n"), name
-    runs = [subprocess.run(["bash", SCRIPT, "cifar10", str(data), str(tmp_path / out)], capture_output=True,
-                           text=True, timeout=120, env=dict(ENV, METHODS="sce", DRY_RUN="1")) for out in ("out", "whole")]
+    runs = [subprocess.run(["bash", SCRIPT, "cifar10", str(data), str(tmp_path / out)], capture_output=True, text=True,
+                           timeout=120, env=dict(ENV, METHODS="sce", DRY_RUN="1")) for out in ("out", "whole")]
     assert runs[0].returncode == runs[1].returncode == 0 and "=== sce pretrain" in runs[0].stdout
     assert runs[0].stdout == runs[1].stdout.replace(str(tmp_path / "whole"), str(tmp_path / "out"))

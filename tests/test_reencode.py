@@ -1,12 +1,11 @@
 """benchmarks/fidelity/reencode.py's copy is whole or refused: every image and folder (linked ones once, a loop
-refused), no two images into one file, nothing unreadable skipped, no foreign or other copy overwritten, only a folder it
-made ever removed (the source whole after any refusal, failure or stop), a copy cut short by a stop or a kill finished,
-one line for every error, and a stop signal at each phase exit 75 with one line, no worker left, the same command then
-finishing the copy an uninterrupted run makes. (Its pixels: test_cifar10_gap.py.)"""
+refused), no two images into one file, nothing unreadable skipped, no foreign or other copy overwritten, only a folder
+it made ever removed (the source whole after any refusal, failure or stop), a copy cut short by a stop or a kill
+finished, one line for every error, and a stop signal at each phase exit 75 with one line, no worker left, the same
+command then finishing the copy an uninterrupted run makes. (Its pixels: test_cifar10_gap.py.)"""
 import errno
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,6 @@ from PIL import Image
 from conftest import REPO
 from sce import UserError, alive
 from test_cifar10_gap import bench
-from test_health import children
 
 reencode = bench("reencode")
 
@@ -218,21 +216,38 @@ def test_a_fifo_is_refused_not_waited_on_and_workers_are_capped_or_refused(tmp_p
                                               f"using {cores}\n")
 
 
+CHILDREN = """
+import os
+
+def children(pid):  # the processes whose parent is pid (/proc: one may end as it is read)
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(entry)
+        except (OSError, IndexError):
+            pass
+    return found
+"""  # for the scripts the tests signal (here and test_fidelity_stops.py)
+
 # reencode.py run with a stop signal sent at a named point of its work (not after a delay): the phase's call sends it
 # to the process group (the script and its workers, as a terminal's Ctrl-C or SLURM's signal), the first time only
-AT_PHASE = """
+AT_PHASE = CHILDREN + """
 import builtins, os, runpy, signal, sys
 phase, name, script = sys.argv[1:4]
 sys.argv = sys.argv[3:]
 dst = os.path.abspath(sys.argv[2])
 fired = []
 
+
 def fire():
     if not fired:
         fired.append(1)
-        if name == "SIGKILL":  # the parent killed outright, from a worker: the workers must end with it
-            print("WORKERS", " ".join(sorted(p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getppid())
-                  and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getppid()))), flush=True)
+        if name == "SIGKILL":  # the parent killed outright, from a worker, once all are started: they must end with it
+            workers = []
+            while len(workers) < int(sys.argv[sys.argv.index("--workers") + 1]):
+                workers = children(os.getppid())
+            print("WORKERS", *workers, flush=True)
             os.kill(os.getppid(), signal.SIGKILL)
         else:
             os.killpg(0, signal.Signals[name])
@@ -273,8 +288,6 @@ STOPPED = "run the same command again to finish the copy (exiting with code 75)\
                                  "again (exiting with code 75)\n"),
     ("partial", "SIGUSR1", 2, 75, "=> reencode.py stopped by SIGUSR1: what was copied is kept in {dst}.partial; "
                                   + STOPPED),
-    ("copy", "SIGTERM", 1, 75, "=> reencode.py stopped by SIGTERM: what was copied is kept in {dst}.partial; "
-                               + STOPPED),
     ("copy", "SIGUSR1", 2, 75, "=> reencode.py stopped by SIGUSR1: what was copied is kept in {dst}.partial; "
                                + STOPPED),
     ("copy", "SIGINT", 2, 75, "=> reencode.py stopped by SIGINT: what was copied is kept in {dst}.partial; " + STOPPED),
@@ -289,7 +302,7 @@ def test_a_stop_at_each_phase_exits_75_in_one_line_and_the_same_command_finishes
     finished marker): exit 75, one line, nothing on stderr (no worker's traceback), no worker left; at the rename
     itself the copy is whole: exit 0 and a line. A kill -9 of the script ends its workers with it. The same command
     then makes the copy an uninterrupted run makes, byte for byte."""
-    src = write_tree(tmp_path / "src", per_class=20)  # 40 images: 3 tasks of 16, both workers busy
+    src = write_tree(tmp_path / "src", per_class=6)  # 12 images, 6 a worker
     whole = reencode.reencode(str(src), str(tmp_path / "whole"), 50)
     dst = tmp_path / "dst"
     script = os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")
@@ -307,5 +320,5 @@ def test_a_stop_at_each_phase_exits_75_in_one_line_and_the_same_command_finishes
             time.sleep(0.05)
         assert len(workers) == 2 and not any(alive(pid) for pid in workers)
     again = reencode.reencode(str(src), str(dst), 50)
-    assert again["images"] == 40 and again["psnr_db"] == whole["psnr_db"] and again["existed"] == (code == 0)
+    assert again["images"] == 12 and again["psnr_db"] == whole["psnr_db"] and again["existed"] == (code == 0)
     assert contents(dst) == contents(tmp_path / "whole") and not os.path.lexists(str(dst) + ".partial")

@@ -230,7 +230,8 @@ def main(argv=None):
                         help="processes decoding the images (default: one a core)")
     parser.add_argument("--write-only", action="store_true", help="write the pair and stop")
     args = parser.parse_args(argv)
-    for flag, value, least in ("--runs", args.runs, 1), ("--first-run", args.first_run, 0), ("--workers", args.workers, 1):
+    for flag, value, least in (("--runs", args.runs, 1), ("--first-run", args.first_run, 0),
+                               ("--workers", args.workers, 1)):
         if value < least:
             raise UserError(f"{flag} {value}: give {least} or more")
     if args.device == "cuda" and not torch.cuda.is_available() and not args.write_only:  # before the pair is written

@@ -54,7 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realp
 from sce import UserError, write_file  # noqa: E402
 from sce.layouts import IMAGE_EXTENSIONS, walk  # noqa: E402
 
-MARKER = ".reencode.json"  # in a copy and its DST.partial, written as the folder is made: a folder without it is not ours
+# in a copy and its DST.partial, written as the folder is made: a folder without it is not ours
+MARKER = ".reencode.json"
 
 
 class Stopped(BaseException):

@@ -93,7 +93,8 @@ fi
 # ignored (a traceback otherwise), and SIGTERM (forward's, or a group's) or a group's SIGUSR1 ends it silently; what
 # it writes (data.env, the SMOKE folder) is written again by the next invocation.
 smoke_dir=(); [ "${SMOKE:-0}" = 1 ] && smoke_dir=("$OUT/smoke_data")
-$PYTHON benchmarks/reproduction/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- &
+$PYTHON benchmarks/reproduction/reproduce_tools.py check "$DATASET" "$DATA" "$OUT/data.env" \
+    ${smoke_dir[@]+"${smoke_dir[@]}"} 9>&- &
 child=$!
 wait "$child" 2> /dev/null && code=0 || code=$?
 while kill -0 "$child" 2>/dev/null; do  # a trapped signal ended the wait, not the check
