@@ -303,7 +303,7 @@ def test_a_stop_at_each_phase_exits_75_in_one_line_and_the_same_command_finishes
     itself the copy is whole: exit 0 and a line. A kill -9 of the script ends its workers with it. The same command
     then makes the copy an uninterrupted run makes, byte for byte."""
     src = write_tree(tmp_path / "src", per_class=6)  # 12 images, 6 a worker
-    whole = reencode.reencode(str(src), str(tmp_path / "whole"), 50)
+    whole, source = reencode.reencode(str(src), str(tmp_path / "whole"), 50), contents(src)
     dst = tmp_path / "dst"
     script = os.path.join(REPO, "benchmarks", "fidelity", "reencode.py")
     proc = subprocess.run([sys.executable, "-c", AT_PHASE, phase, name, script, str(src), str(dst), "--quality", "50",
@@ -322,3 +322,4 @@ def test_a_stop_at_each_phase_exits_75_in_one_line_and_the_same_command_finishes
     again = reencode.reencode(str(src), str(dst), 50)
     assert again["images"] == 12 and again["psnr_db"] == whole["psnr_db"] and again["existed"] == (code == 0)
     assert contents(dst) == contents(tmp_path / "whole") and not os.path.lexists(str(dst) + ".partial")
+    assert contents(src) == source
