@@ -270,11 +270,12 @@ def copy_all(src, partial, files, quality, workers, stopping):
         with held(then_stop=False):  # a worker forked meanwhile must not raise the signal (it is then ignored)
             for i in range(workers):
                 ours, theirs = context.Pipe(duplex=False)
-                procs.append(context.Process(target=copy_part, args=(src, partial, quality, files[i::workers], theirs),
-                                             daemon=True))
-                procs[-1].start()
+                proc = context.Process(target=copy_part, args=(src, partial, quality, files[i::workers], theirs),
+                                       daemon=True)
+                proc.start()
+                procs.append(proc)
                 theirs.close()
-                waiting[ours] = procs[-1]
+                waiting[ours] = proc
         while waiting:
             if stopping() or STOP.signal:
                 raise Stopped(STOP.signal or "a stop request")
