@@ -54,9 +54,9 @@ g.add_argument("--crop-size", type=int,
                     "CIFAR; else 224)")
 g.add_argument("--min-scale", type=float, default=0.2, help="smallest area share of a global view's random crop")
 g.add_argument("--online-aug", choices=list(data.AUGMENTATIONS),
-               help=f"Table 2 row of online view 1 (default: the method's: {cli.per_method(lambda m: m.views[0])})")
+               help=f"Table 2 row of online view 1 (default: the method's: {cli.per_method(lambda m: m.views.online)})")
 g.add_argument("--target-aug", choices=list(data.AUGMENTATIONS),
-               help=f"Table 2 row of target view 0 (default: the method's: {cli.per_method(lambda m: m.views[1])})")
+               help=f"Table 2 row of target view 0 (default: the method's: {cli.per_method(lambda m: m.views.target)})")
 g.add_argument("--local-aug", default="strong-gamma", choices=list(data.AUGMENTATIONS),
                help="Table 2 row of local crops")
 g.add_argument("--local-crop-sizes", type=int, nargs="*", default=[], metavar="PX",

@@ -126,8 +126,9 @@ class MomentumModel(nn.Module):
     """The online and momentum branches and the queue shared by SCE, MoCo v2 and ReSSL (they differ by
     `criterion`).
 
-    views[0], views[1] are the global views (view 0 the target view of the asymmetric loss),
-    views[2:] local crops. Asymmetric: view 0 is the only target, every other view a query.
+    views[0], views[1] are the global views in the batch's order (sce.losses.GlobalViews: view 0 the target view of
+    the asymmetric loss, view 1 the online), views[2:] local crops. Asymmetric: view 0 is the only target, every
+    other view a query.
     Symmetric: each global view is a target for every other view; locals are only queries.
     bn_splits > 1 (one process, with shuffle_bn): BN statistics over that many chunks of the batch, in the
     momentum encoder only (split_bn "momentum": the authors' single-GPU small-dataset runs, whose online branch

@@ -102,6 +102,18 @@ def eq10_terms(args):
     return functools.partial(loss_terms, tau=args.tau, tau_m=args.tau_m)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GlobalViews:
+    """A method's two global views, each a row of Table 2 (sce.data.views.AUGMENTATIONS), named in the batch's order
+    (sce.data.views.view_specs): view 0 the target, view 1 the online. Keywords only: a pair written positionally,
+    in either order, is refused."""
+    target: str  # --target-aug's default
+    online: str  # --online-aug's default
+
+    def in_batch_order(self):
+        return [self.target, self.online]
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """A method whole: main_pretrain.py's --method NAME. Adding one is its loss function above and its record in
@@ -112,7 +124,7 @@ class Method:
     criterion: object  # (args, lam=None) -> functools.partial of its loss function with the run's settings
     tau: float  # --tau's default
     tau_m: float  # --tau-m's default
-    views: tuple  # --online-aug's and --target-aug's defaults (rows of Table 2)
+    views: GlobalViews  # --target-aug's and --online-aug's defaults (rows of Table 2)
     resume: tuple  # the settings (args keys) its loss and terms read: a resumed run keeps them
     flags: tuple = ()  # (flag, argparse keywords) of the flags only it reads, added to main_pretrain.py's parser
     terms: object = None  # (args) -> f(q, k, queue) -> {name: value}, logged beside the loss; None: the loss only
@@ -120,6 +132,10 @@ class Method:
     symmetric: bool = False  # --symmetric's default: both global views serve as targets
     predictor: tuple = ()  # --pred-hidden-dims' default: the predictor's hidden widths; (): no predictor
     projector: tuple = ((2048, 2048), 256, "affine")  # --proj-hidden-dims, --proj-dim and --proj-last-bn's defaults
+
+    def __post_init__(self):
+        if not isinstance(self.views, GlobalViews):  # a bare pair would be read in some order, silently
+            raise TypeError(f"Method.views: GlobalViews(target=..., online=...), not {self.views!r}")
 
 
 SCE_FLAGS = (
@@ -142,16 +158,19 @@ SCE_FLAGS = (
 
 # a flag given on the command line wins over a method's defaults
 METHODS = {
-    "sce": Method("eq. 9 (or eq. 10 with --loss-coeffs)", sce_criterion, tau=0.1, tau_m=0.07, views=("strong", "weak"),
+    "sce": Method("eq. 9 (or eq. 10 with --loss-coeffs)", sce_criterion, tau=0.1, tau_m=0.07,
+                  views=GlobalViews(target="weak", online="strong"),
                   resume=("tau", "tau_m", "mask_positive", "loss_coeffs", "lambda_", "lambda_schedule", "lambda_end",
                           "lambda_warmup_steps", "lambda_warmup_start"), flags=SCE_FLAGS, terms=eq10_terms),
     # MoCo v2: InfoNCE on two strong views; its tau_m is only that of the logged terms
     "moco": Method("MoCo v2's InfoNCE, eq. 1", lambda args, lam=None: functools.partial(infonce_loss, tau=args.tau),
-                   tau=0.2, tau_m=0.07, views=("strong", "strong"), resume=("tau", "tau_m"), terms=eq10_terms),
+                   tau=0.2, tau_m=0.07, views=GlobalViews(target="strong", online="strong"),
+                   resume=("tau", "tau_m"), terms=eq10_terms),
     # ReSSL's best ImageNet temperatures
     "ressl": Method("ReSSL's relational term, eq. 4",
                     lambda args, lam=None: functools.partial(ressl_loss, tau=args.tau, tau_m=args.tau_m),
-                    tau=0.1, tau_m=0.04, views=("strong", "weak"), resume=("tau", "tau_m"), terms=eq10_terms),
+                    tau=0.1, tau_m=0.04, views=GlobalViews(target="weak", online="strong"), resume=("tau", "tau_m"),
+                    terms=eq10_terms),
 }
 
 

@@ -186,7 +186,7 @@ def given_over(parser, layers, typed, started):
 def method_values(method):
     """What a flag left unset takes from the method's record: its loss and the model's shape."""
     m = losses.METHODS[method]
-    return dict(tau=m.tau, tau_m=m.tau_m, online_aug=m.views[0], target_aug=m.views[1],
+    return dict(tau=m.tau, tau_m=m.tau_m, online_aug=m.views.online, target_aug=m.views.target,
                 proj_hidden_dims=list(m.projector[0]), proj_dim=m.projector[1], proj_last_bn=m.projector[2],
                 pred_hidden_dims=list(m.predictor), symmetric=m.symmetric,
                 queue_size=cli.QUEUE_SIZE if m.queue else 0)

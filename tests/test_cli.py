@@ -78,7 +78,7 @@ def test_every_flag_has_a_description(script):
         from sce import cli, losses  # the records' values, not a copy of them
         assert flag_help(text, "--tau").endswith(f"(default: the method's: {cli.per_method(lambda m: m.tau)})")
         assert flag_help(text, "--target-aug").endswith(f"(default: the method's: "
-                                                        f"{cli.per_method(lambda m: m.views[1])})")
+                                                        f"{cli.per_method(lambda m: m.views.target)})")
         assert set(losses.METHODS) == {"sce", "moco", "ressl"} and "moco 0.2" in flag_help(text, "--tau")
         assert "moco: MoCo v2's InfoNCE, eq. 1" in flag_help(text, "--method")
         assert text.index("\n--method sce:\n") < text.index("  --mask-positive") < text.index("\noptimisation:")

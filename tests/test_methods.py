@@ -23,8 +23,27 @@ def byol_loss(q, k, queue):
 
 
 BYOL = losses.Method("BYOL's regression", lambda args, lam=None: functools.partial(byol_loss), tau=1.0, tau_m=1.0,
-                     views=("strong", "strong"), resume=(), queue=False, symmetric=True, predictor=(24,),
+                     views=losses.GlobalViews(target="strong", online="strong"), resume=(), queue=False,
+                     symmetric=True, predictor=(24,),
                      projector=((24,), 12, "none"))
+
+
+def test_a_methods_views_are_named_in_the_batchs_order_and_a_bare_pair_is_refused():
+    """View 0 of a batch is the target's, view 1 the online's, as the record names them; a pair written
+    positionally (in either order) cannot be taken."""
+    from sce.data.views import view_specs
+    with pytest.raises(TypeError):
+        losses.GlobalViews("weak", "strong")
+    for bare in (("strong", "weak"), ["weak", "strong"], {"target": "weak", "online": "strong"}):
+        with pytest.raises(TypeError, match=r"Method.views: GlobalViews\(target=..., online=...\)"):
+            dataclasses.replace(losses.METHODS["sce"], views=bare)
+    assert losses.METHODS["sce"].views == losses.GlobalViews(online="strong", target="weak")
+    for method in losses.METHODS:
+        args = main_pretrain.parse_args(["--data", "d", "--method", method])
+        views = losses.METHODS[method].views
+        assert [s.aug for s in view_specs(args)] == [views.target, views.online]
+    args = main_pretrain.parse_args(["--data", "d", "--target-aug", "strong-beta", "--online-aug", "weak"])
+    assert [s.aug for s in view_specs(args)] == ["strong-beta", "weak"]
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import torchvision.transforms.functional as F
 
 from sce import UserError
 from sce.data.ops import BLUR_SIGMA, MEAN, STD, blur_kernel_size, box
+from sce.losses import GlobalViews
 
 # ImageNet statistics for every dataset (the paper gives no per-dataset ones): any checkpoint can be evaluated
 # or transferred without knowing its data. Table 2: p(colour jitter), jitter (brightness, contrast, saturation,
@@ -69,12 +70,14 @@ class ViewSpec:
 
 
 def view_specs(args):
-    """View 0: target (weak by default) global view; view 1: online global view; then the local crops."""
-    for aug in (args.target_aug, args.online_aug, args.local_aug):
+    """The views of a batch, in its order: the global views (GlobalViews.in_batch_order: view 0 the target, view 1
+    the online), then the local crops."""
+    global_views = GlobalViews(target=args.target_aug, online=args.online_aug).in_batch_order()
+    for aug in global_views + [args.local_aug]:
         if aug not in AUGMENTATIONS:
             raise UserError(f"unknown augmentation '{aug}': use one of {', '.join(AUGMENTATIONS)}")
     scale = (args.min_scale, 1.0)
-    specs = [ViewSpec(args.target_aug, args.crop_size, scale), ViewSpec(args.online_aug, args.crop_size, scale)]
+    specs = [ViewSpec(aug, args.crop_size, scale) for aug in global_views]
     scales = args.local_crop_scales
     return specs + [ViewSpec(args.local_aug, size, tuple(scales[2 * i:2 * i + 2]))
                     for i, size in enumerate(args.local_crop_sizes)]
