@@ -21,8 +21,8 @@ from sce.frozen import load_frozen, split_features
 from sce.knn import knn_accuracy
 from sce.optim import build_optimizer, load_optimizer_state
 from sce.preemption import Interrupted, Preemption, stop
-from sce.probe import (Head, Probe, Run, Step, check_frozen, check_resume, end_epoch, graphs_for, make_head, state,
-                       train_one_epoch, validate)
+from sce.probe import (Head, Probe, ProbeRun, Step, check_frozen, check_resume, end_probe_epoch, graphs_for,
+                       make_head, state, train_probe_epoch, validate)
 from sce.progress import Progress
 from sce.resume import check_mid_epoch
 
@@ -218,11 +218,11 @@ def linear(args, frozen, source, device, split):
         return evaluate_head(args, probe, model, val, source, device)
     start_epoch, start_step, best, acc, sums = resume_probe(args, model, source, device, train_data)
     tensorboard = events.summary_writer(args.output_dir) if du.is_main() and start_epoch < args.epochs else None
-    run = Run(args=args, probe=probe, model=model, train=train.batches(probe.per_rank, sampler),
-              val=val.batches(probe.per_rank), device=device, preemption=Preemption(world, args.dist_timeout),
-              tensorboard=tensorboard, checkpoints=Writer(split.stopwatch("epoch_ends")),
-              validation=split.stopwatch("evaluation"),
-              step=Step(probe, model, sums, graphs_for(args, device, world)))
+    run = ProbeRun(args=args, probe=probe, model=model, train=train.batches(probe.per_rank, sampler),
+                   val=val.batches(probe.per_rank), device=device, preemption=Preemption(world, args.dist_timeout),
+                   tensorboard=tensorboard, checkpoints=Writer(split.stopwatch("epoch_ends")),
+                   validation=split.stopwatch("evaluation"),
+                   step=Step(probe, model, sums, graphs_for(args, device, world)))
     # every remaining step, padded as DistributedSampler pads: the ETA covers the rest of the run
     progress = Progress(((args.epochs - start_epoch) * sampler.num_samples - start_step * probe.per_rank) * world)
     split.loop()
@@ -230,7 +230,7 @@ def linear(args, frozen, source, device, split):
     try:
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch, start_step * probe.per_rank)
-            stopped_at = train_one_epoch(run, epoch, start_step, progress)
+            stopped_at = train_probe_epoch(run, epoch, start_step, progress)
             if stopped_at is not None:  # a stop request mid-epoch: save the exact position and leave
                 stopped = state(run, epoch, stopped_at, du.all_reduce_sum(sums.clone()).tolist(), best, acc)
                 stop(run.preemption, tensorboard, f"epoch {epoch} step {stopped_at} to {args.output_dir}",
@@ -238,7 +238,7 @@ def linear(args, frozen, source, device, split):
             start_step = 0
             if epoch == start_epoch:
                 check_frozen(frozen.trunk, reference)
-            best, acc = end_epoch(run, epoch, sums, best)
+            best, acc = end_probe_epoch(run, epoch, sums, best)
             done = epoch + 1
             if du.is_main():  # the split so far: what a kill leaves of this invocation's
                 split.save(args.output_dir, epochs=[start_epoch, done])
@@ -346,8 +346,9 @@ def run_knn(args, frozen, device):
     # rank extracts and scores its share (sce.knn), as the kNN monitor of main_pretrain.py does
     bank, queries, num_classes = splits(args, device, augment_train=False)
     with cli.autocast(device, args.amp):
-        top1, top5 = knn_accuracy(frozen.trunk, bank, queries, num_classes, args.knn_k, args.knn_t,
-                                  batch_size=FEATURES_BATCH, pad=frozen.compiled)
+        knn = knn_accuracy(frozen.trunk, bank, queries, num_classes, args.knn_k, args.knn_t,
+                           batch_size=FEATURES_BATCH, pad=frozen.compiled)
+    top1, top5 = knn.top1, knn.top5
     if du.is_main():
         print(f"kNN (k {args.knn_k}, t {args.knn_t}, {len(bank)} train / {len(queries)} val images): "
               f"Acc@1 {top1:.2f} Acc@5 {top5:.2f}", flush=True)

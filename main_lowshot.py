@@ -158,7 +158,8 @@ def shots(args, train_x, train_y, test_x, test_y):
                    else transfer.lowshot_draw(train_y, k, [args.seed, k, r]).ravel())
             fits = transfer.FitCount()
             name = f"K {k} draw {r + 1}/{runs}"
-            per_run.append(draw(args, train_x[idx], train_y[idx], idx, test_x, test_y, fits, name))
+            per_run.append(fit_draw(args, train_x[idx], train_y[idx], idx, test_x=test_x, test_y=test_y, fits=fits,
+                                    name=name))
             all_fits.stalled += fits.stalled
         if args.cost_selection == "test":  # PCL: the cost with the best mean over the draws
             means = {c: float(np.mean([run["test_map"][c] for run in per_run])) for c in args.costs}
@@ -171,7 +172,7 @@ def shots(args, train_x, train_y, test_x, test_y):
     return results, all_fits
 
 
-def draw(args, x, y, idx, test_x, test_y, fits, name):
+def fit_draw(args, x, y, idx, *, test_x, test_y, fits, name):
     """One draw's fits: every cost against the test set (--cost-selection test), or the cost cross-validation picks
     and its test mAP; its line said."""
     if args.cost_selection == "test":

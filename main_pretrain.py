@@ -233,18 +233,18 @@ def pretrain(args, rank, world_size, device, bn_splits):
         model = model.to(memory_format=torch.channels_last)
     data_id = dict(num_images=len(dataset), data_id=data.fingerprint(dataset), data_order=data.ORDER_VERSION)
     monitor = knn_monitor(args, device, budget, split, batches, data_id["data_id"])
-    untrained = monitor(model)[0] if args.demo else None
+    untrained = monitor(model).top1 if args.demo else None
     split.mark("model and kNN data")
     schedules = Schedules(args, sampler.steps)  # the lr, EMA momentum and lambda of each step
     optimizer = build_optimizer(args.optimizer, model, schedules.base_lr, args.weight_decay, args.sgd_momentum,
                                 args.wd_exclude_bias_norm)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    targets = getattr(dataset, "targets", None)
-    probe = OnlineProbe.of(model, targets, device, args.online_probe_lr) if args.online_probe else None
-    resumed = resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe)
-    if resumed is None:  # complete
+    probe = OnlineProbe.of(model, dataset, device, args.online_probe_lr) if args.online_probe else None
+    started = resume_run(args, model, optimizer, scaler, rank=rank, data_id=data_id, monitor=monitor, probe=probe)
+    if started is None:  # complete
         return
-    start_epoch, start_step, epoch_sums, tensorboard = resumed
+    resumed, tensorboard = started
+    start_epoch, start_step = resumed.epoch, resumed.step_in_epoch
     if rank == 0:
         outdir.write_json(os.path.join(args.output_dir, "args.json"), settings)
     if args.compile:
@@ -270,10 +270,10 @@ def pretrain(args, rank, world_size, device, bn_splits):
               steps_per_epoch=sampler.steps, device=device, tensorboard=tensorboard,
               preemption=Preemption(world_size, args.dist_timeout), first_step=first_step,
               checkpoints=Writer(split.stopwatch("epoch_ends")), compiles=compiles, monitor=monitor, data=data_id)
-    last = train(run, sampler, split, start_epoch, start_step, epoch_sums)
+    last = train(run, sampler, split, start_epoch, start_step, resumed.epoch_sums)
     if args.demo and rank == 0:
-        online = f"; online probe top-1: {last[2]:.1f}%" if len(last) > 2 else ""
-        print(f"kNN top-1: {last[0]:.1f}% (untrained: {untrained:.1f}%){online}", flush=True)
+        online = f"; online probe top-1: {last.probe_top1:.1f}%" if last.probe_top1 is not None else ""
+        print(f"kNN top-1: {last.top1:.1f}% (untrained: {untrained:.1f}%){online}", flush=True)
 
 
 def load_data(args, rank, world_size, device, budget, compiles):
@@ -290,11 +290,12 @@ def load_data(args, rank, world_size, device, budget, compiles):
                                              preview=bool(args.preview_views))
 
 
-def resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe):
-    """(start epoch, start step, the epoch's sums, TensorBoard's writer on rank 0) of this invocation, from the
-    checkpoint in --output-dir if any (sce.resume), its last epoch's line of log.txt completed if a failure left it
-    out; None when the run is complete already."""
-    start_epoch, start_step, last_stats, epoch_sums = resume(args, model, optimizer, scaler, rank, data_id, probe)
+def resume_run(args, model, optimizer, scaler, *, rank, data_id, monitor, probe):
+    """(where this invocation starts: sce.resume.Resumed, TensorBoard's writer on rank 0), from the checkpoint in
+    --output-dir if any (sce.resume), its last epoch's line of log.txt completed if a failure left it out; None when
+    the run is complete already."""
+    resumed = resume(args, model, optimizer, scaler, rank=rank, data=data_id, probe=probe)
+    start_epoch, start_step, last_stats = resumed.epoch, resumed.step_in_epoch, resumed.epoch_stats
     # the checkpoint of the last epoch was saved, its line of log.txt (and kNN) not: a failure between the two
     unlogged = start_step == 0 and last_stats is not None and epochs_logged(args.output_dir) < start_epoch
     writes = rank == 0 and (unlogged or start_epoch < args.epochs)
@@ -302,11 +303,11 @@ def resume_run(args, model, optimizer, scaler, rank, data_id, monitor, probe):
     if unlogged:
         if rank == 0:
             print(f"=> log.txt lacks epoch {start_epoch}, whose checkpoint was saved: completing its line", flush=True)
-        head = probe.head if probe and probe.restored else None  # a fresh head is no score of that run
-        knn = monitor(model, head) if monitor and knn_due(args, start_epoch) else None
+        restored = probe if probe and probe.restored else None  # a fresh head is no score of that run
+        knn = monitor(model, restored) if monitor and knn_due(args, start_epoch) else None
         log_epoch(args, start_epoch, last_stats, knn, tensorboard)
     if start_epoch < args.epochs:
-        return start_epoch, start_step, epoch_sums, tensorboard
+        return resumed, tensorboard
     if rank == 0:
         print(f"=> the run in {args.output_dir} is already complete ({start_epoch} epochs): nothing to do; "
               "raise --epochs to train longer", flush=True)
@@ -335,8 +336,7 @@ def train(run, sampler, split, start_epoch, start_step, epoch_sums):
                 break
         split.done()
         finish(run, result, done)  # exits 75 after a stop request, the run not complete
-        probe = run.training.probe
-        return run.monitor(run.training.model, probe and probe.head) if args.demo else None  # the demo's, in the split
+        return run.monitor(run.training.model, run.training.probe) if args.demo else None  # the demo's, in the split
     except BaseException as e:
         if not isinstance(e, Interrupted):  # a failure waits for the save in flight too; a second Ctrl-C does not
             run.checkpoints.wait(quiet=True)

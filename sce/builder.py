@@ -2,6 +2,7 @@
 averaged over the (target view, query view) pairs of a step."""
 import copy
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -120,6 +121,15 @@ def momentum_at(step, total_steps, m0, schedule="cosine"):
     if schedule == "constant" or total_steps <= 0:
         return m0
     return 1 - (1 - m0) * (math.cos(math.pi * step / total_steps) + 1) / 2
+
+
+class Outputs(NamedTuple):
+    """What the forward returns beside the loss, of its first (target view, query view) pair: what the step logs
+    (the method's terms, f(q, k, queue)) and what the online probe reads (h)."""
+    q: torch.Tensor  # the l2-normalised query (detached)
+    k: torch.Tensor  # the l2-normalised key of the target view
+    queue: torch.Tensor  # the queue before this step's keys, or None
+    h: torch.Tensor  # the query view's pooled trunk features (detached): the online probe's input
 
 
 class MomentumModel(nn.Module):
@@ -244,7 +254,7 @@ class MomentumModel(nn.Module):
         if queue is not None:
             self.enqueue(torch.cat([keys[t] for t in targets]))
         t, v = pairs[0]
-        return loss, (queries[v].detach(), keys[t], queue, online[v][1].detach())  # h: the first query's features
+        return loss, Outputs(q=queries[v].detach(), k=keys[t], queue=queue, h=online[v][1].detach())
 
 
 def build_model(args, criterion, bn_splits=1, sync_bn=False):

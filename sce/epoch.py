@@ -1,9 +1,9 @@
 """One epoch of pretraining and its end: the epoch's bookkeeping and output. The loop calls one_step (the schedules
-of sce.step, the step, its outcome tallied); the loss and the method's logged terms are averaged on the device over
-the finite steps of each window and of the epoch (a window without one reads NaN, never 0); the progress line,
-TensorBoard, the stops for non-finite steps and stop requests; then the epoch's checkpoint (written in the
-background), its kNN and its line of log.txt (once its checkpoint is on disk), the estimate after the first whole
-epoch; and the one way out of the loop (finish). main_pretrain.py builds the Run."""
+of sce.step, the step, its outcome tallied: sce.tally); the loss, the method's logged terms and the online probe's
+top-1 are averaged on the device over the finite steps of each window and of the epoch (a window without one reads
+NaN, never 0); the progress line, TensorBoard, the stops for non-finite steps and stop requests; then the epoch's
+checkpoint (written in the background), its kNN and its line of log.txt (once its checkpoint is on disk), the
+estimate after the first whole epoch; and the one way out of the loop (finish). main_pretrain.py builds the Run."""
 import argparse
 import dataclasses
 import json
@@ -22,6 +22,7 @@ from sce.preemption import Preemption, stop
 from sce.progress import format_eta
 from sce.resume import run_state
 from sce.step import Schedules, Training
+from sce.tally import PROBE_TOP1, Tally, window_means
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Run:
     """What an epoch needs besides its number: the settings, the collaborators, where this invocation began."""
     args: argparse.Namespace
     training: Training
-    step: object  # build_step's: step(views, momentum, labels=None) -> (loss, finite, terms)
+    step: object  # build_step's: step(views, momentum, labels=None) -> sce.step.StepResult
     schedules: Schedules
     lam: Lambda  # the criterion's lambda, set at each step
     batches: object  # iterating: the epoch's lists of views on the device (sce.data.pretrain_batches); wait_s
@@ -53,58 +54,6 @@ class Epoch:
     sums: dict = None  # when stopped: the epoch's sums so far by name (Tally.sums), to resume
 
 
-class Tally:
-    """What the steps did, summed on the device (no host sync), by name: per window of progress lines and per epoch,
-    `steps` (the finite ones) and the sums over them of the `loss` and of the terms the method logs (in the order
-    the step returns them, known from the first step), stacked in one tensor so that one copy reads a window
-    (read); the steps whose loss was finite (finite_losses); consecutive non-finite steps. `sums`: the epoch's
-    before a resume within it (Epoch.sums)."""
-
-    def __init__(self, device, nonfinite, sums=None):
-        self.names = self.window = self.epoch = None  # the first step sets them
-        if isinstance(sums, list):  # a checkpoint of before 2026-11-28: steps, loss, the terms, finite losses
-            sums = {"list": sums[:-1], "finite_losses": sums[-1]}
-        self.resumed = sums
-        self.lacking, self.resumed_steps = [], 0.0  # names the resumed sums lack; their steps (resumed_sums)
-        self.finite_losses = torch.full((), sums["finite_losses"] if sums else 0.0, device=device)  # any loss
-        self.nonfinite = nonfinite.clone()
-
-    def add(self, loss, finite, terms):
-        self.nonfinite = torch.where(finite, torch.zeros_like(self.nonfinite), self.nonfinite + 1)
-        self.finite_losses += torch.isfinite(loss)
-        named = {"steps": torch.ones_like(loss), "loss": loss.float(), **(terms or {})}
-        values = torch.where(finite, torch.stack(list(named.values())), 0.0)
-        if self.names is None:  # the first step: steps, the loss, then the terms in the order the step returns them
-            self.names, self.window = list(named), torch.zeros_like(values)
-            self.epoch = values.new_tensor(self.resumed_sums()) if self.resumed else torch.zeros_like(values)
-        self.window += values
-        self.epoch += values
-
-    def resumed_sums(self):
-        """The resumed epoch's sums in the order of `names`, 0 for a name it lacks (a run resumed with the online
-        probe that stopped without it: read scales that name's sum to its mean over the steps since); an old
-        checkpoint's list holds steps, loss and the method's terms."""
-        resumed = self.resumed
-        if "list" in resumed:
-            resumed = dict(zip(self.names, resumed["list"]))
-        self.lacking, self.resumed_steps = [n for n in self.names if n not in resumed], resumed.get("steps", 0.0)
-        return [resumed.get(name, 0.0) for name in self.names]
-
-    def read(self, sums):
-        """{name: value} of `sums` (the window or the epoch): one copy to the host. In the epoch's, a name the
-        resumed sums lacked counts this invocation's steps only: its sum x steps / steps since the resume."""
-        values = dict(zip(self.names, sums.tolist()))
-        if sums is self.epoch and self.lacking:
-            since = values["steps"] - self.resumed_steps
-            for name in self.lacking:
-                values[name] = values[name] * values["steps"] / since if since else float("nan")
-        return values
-
-    def sums(self):
-        """The epoch's sums so far by name, for a checkpoint within it (Epoch.sums)."""
-        return dict(self.read(self.epoch), finite_losses=self.finite_losses.item())
-
-
 def one_step(run, step, views, tally):
     """Global step `step` as main_pretrain.py runs it, and benchmarks/speed/bench_pretrain.py times it: the lr (into the
     optimizer) and lambda (into the criterion's) of the step, the step (run.step) with the step's EMA momentum, its
@@ -113,9 +62,9 @@ def one_step(run, step, views, tally):
     set_lr(run.training.optimizer, s.lr_at(step))
     run.lam.set(s.lambda_at(step))
     if run.training.probe is None:
-        tally.add(*run.step(views, s.momentum_at(step)))
+        tally.add(run.step(views, s.momentum_at(step)))
     else:  # the images' labels too (sce.data's Batch)
-        tally.add(*run.step(views, s.momentum_at(step), views.labels))
+        tally.add(run.step(views, s.momentum_at(step), views.labels))
 
 
 def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
@@ -140,7 +89,7 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
                          images_per_s=window_steps * args.batch_size / max(elapsed, 1e-9),
                          data_wait_share=batches.wait_s / max(elapsed, 1e-9))
             if du.is_main():
-                log_progress(run, step, stats, elapsed / window_steps, tally.names[2:])
+                log_progress(run, step, stats, elapsed / window_steps, tally.terms)
             tally.window.zero_()
             window_start, window_steps, batches.wait_s = time.time(), 0, 0.0
         if run.preemption.stop_within_epoch(i + 1, run.steps_per_epoch, args.print_freq):
@@ -159,14 +108,6 @@ def train_one_epoch(run, epoch, start_step, nonfinite, sums=None):
     return Epoch(None, stats, tally.nonfinite)
 
 
-def window_means(sums, steps):
-    """The loss and terms of `sums` (Tally.read) averaged over the window's finite steps (NaN when none was finite,
-    never 0), and the number of its `steps` skipped as non-finite."""
-    finite = sums.pop("steps")
-    return dict({name: total / finite if finite else float("nan") for name, total in sums.items()},
-                skipped_steps=steps - round(finite))
-
-
 def likely_cause(args, lr):
     fp16 = " or fp16 overflows (try --amp bf16)" if args.amp == "fp16" else ""
     return f"the lr ({lr:.3g}) is likely too high{fp16}, or the data holds non-finite values"
@@ -181,15 +122,15 @@ def log_progress(run, step, stats, seconds_per_step, terms):
     if run.device.type == "cuda":
         stats["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
         memory = f" mem {stats['peak_memory_gib']:.1f}G"
-    probe = f" online {stats['online_train_top1']:.1f}%" if "online_train_top1" in stats else ""
+    probe = f" online {stats[PROBE_TOP1]:.1f}%" if PROBE_TOP1 in stats else ""
     print(f"Epoch [{epoch + 1}/{args.epochs}][{i + 1}/{run.steps_per_epoch}] loss {stats['loss']:.4f} "
           f"lr {stats['lr']:.4g} m {stats['momentum']:.5f}{probe} {stats['images_per_s']:.1f} img/s "
           f"data {100 * stats['data_wait_share']:.0f}%{memory} skipped {stats['skipped_steps']} "
           f"eta {format_eta(eta)}", flush=True)
     if run.tensorboard:
         for name, value in stats.items():
-            group = "online" if name.startswith("online_") else "terms" if name in terms else "train"
-            run.tensorboard.add_scalar(f"{group}/{name.removeprefix('online_')}", value, step)
+            tag = "online/train_top1" if name == PROBE_TOP1 else f"terms/{name}" if name in terms else f"train/{name}"
+            run.tensorboard.add_scalar(tag, value, step)
 
 
 # ---------------------------------------------------------------- the end of an epoch
@@ -206,8 +147,7 @@ def end_epoch(run, done, stats, split):
                              args.output_dir, numbered=done % args.save_freq == 0 or done == args.epochs,
                              keep=args.keep_checkpoints)
     first = done - 1 == run.first_step // run.steps_per_epoch
-    head = t.probe.head if t.probe else None  # the online probe's top-1 on the kNN's val features
-    knn = run.monitor(t.model, head) if run.monitor and knn_due(args, done, first) else None
+    knn = run.monitor(t.model, t.probe) if run.monitor and knn_due(args, done, first) else None
     log_epoch(args, done, stats, knn, tensorboard=run.tensorboard, checkpoints=run.checkpoints)
     if du.is_main():
         if estimate_due(done, run.first_step, run.steps_per_epoch, args.epochs):
@@ -231,14 +171,16 @@ def knn_due(args, done, first=False):
 
 def log_epoch(args, done, stats, knn, tensorboard, checkpoints=None):
     """Epoch `done`'s line of log.txt (one JSON line per epoch, as DINO's): its statistics and the kNN monitor's
-    (top-1, top-5, and the online probe's top-1 on the same val features, when there is one) `knn` if it ran;
+    KnnResult `knn` if it ran (its top-1, top-5, and the online probe's top-1 on the same val features, when read);
     written by rank 0 once what `checkpoints` (a Writer) has in hand is on disk."""
     log = dict(epoch=done, **stats)
     if knn:
-        log.update(zip(("knn_top1", "knn_top5", "online_top1"), knn))
+        log.update(knn_top1=knn.top1, knn_top5=knn.top5)
+        if knn.probe_top1 is not None:
+            log.update(online_top1=knn.probe_top1)
         if du.is_main():
-            online = f"; online probe top-1 {knn[2]:.2f}" if len(knn) > 2 else ""
-            print(f"=> epoch {done}: kNN top-1 {knn[0]:.2f} top-5 {knn[1]:.2f}{online}", flush=True)
+            online = f"; online probe top-1 {knn.probe_top1:.2f}" if knn.probe_top1 is not None else ""
+            print(f"=> epoch {done}: kNN top-1 {knn.top1:.2f} top-5 {knn.top5:.2f}{online}", flush=True)
         if tensorboard:
             for name, tag in (("knn_top1", "knn/top1"), ("knn_top5", "knn/top5"), ("online_top1", "online/val_top1")):
                 if name in log:

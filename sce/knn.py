@@ -10,6 +10,7 @@ its bank shard (N_train / ranks x D), all queries (N_val x D), one chunk of simi
 """
 import functools
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +105,19 @@ def topk_accuracy(scores, labels, ks=(1, 5)):
     return [100.0 * hit[:, :k].any(dim=1).float().mean().item() for k in ks]
 
 
+class KnnResult(NamedTuple):
+    """What knn_accuracy measured, in %."""
+    top1: float
+    top5: float
+    probe_top1: float = None  # a linear head's (the online probe's) top-1 on the same val features, or None
+
+
 def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_size=256, max_train=None, seed=0,
                  pad=False, forward=None, head=None):
-    """[top-1, top-5] of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
+    """The KnnResult of the kNN classifier on the train_set bank (a seeded subset of max_train images if given),
     measured on val_set (sce.data.EvalSplits); called by every rank, the same result on each. pad: every batch of
     both splits padded to one size (extract_features), for a compiled trunk; forward: extract_features'. head: a
-    linear head on the trunk's features (the online probe's), whose top-1 on the same val features follows."""
+    linear head on the trunk's features (the online probe's), whose top-1 on the same val features it adds."""
     if max_train and max_train < len(train_set):
         train_set = train_set.subset(torch.randperm(len(train_set),
                                                     generator=torch.Generator().manual_seed(seed))[:max_train])
@@ -126,16 +134,16 @@ def _knn(trunk, train_set, val_set, num_classes, k, t, batch_size, pad_to, forwa
                                          forward=forward)
     features, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size), normalize=False,
                                                                  name="val features", pad_to=pad_to, forward=forward))
-    result = topk_accuracy(knn_scores(bank, bank_labels, F.normalize(features, dim=1), num_classes, k, t), labels)
-    if head is not None:
-        with torch.no_grad(), torch.autocast(features.device.type, enabled=False):
-            result += topk_accuracy(head(features), labels, ks=(1,))
-    return result
+    top1, top5 = topk_accuracy(knn_scores(bank, bank_labels, F.normalize(features, dim=1), num_classes, k, t), labels)
+    if head is None:
+        return KnnResult(top1, top5)
+    with torch.no_grad(), torch.autocast(features.device.type, enabled=False):
+        return KnnResult(top1, top5, topk_accuracy(head(features), labels, ks=(1,))[0])
 
 
 class Monitor:
-    """The kNN monitor of main_pretrain.py: monitor(model) -> the kNN (top-1, top-5) of its online encoder on
-    `sets` (train EvalSplit, val EvalSplit, number of classes), every rank its share. BN running statistics are
+    """The kNN monitor of main_pretrain.py: monitor(model) -> the KnnResult of its online encoder on `sets` (train
+    EvalSplit, val EvalSplit, number of classes), every rank its share. BN running statistics are
     rank-local and only serve evaluation: every rank takes rank 0's, the checkpoint's. compiled: the encoder is
     compiled, and compiles once more, in eval mode, at the first call (the last batch padded: no other shape); a
     failure there costs the monitor nothing: its calls of the encoder run eagerly from then on (sce.compiling.Fallback
@@ -152,12 +160,14 @@ class Monitor:
         self.fallback = Fallback("the kNN monitor's encoder", lambda encoder, x: encoder(x),
                                  lambda encoder, x: encoder._call_impl(x)) if compiled else None
 
-    def __call__(self, model, head=None):
-        """[kNN top-1, top-5] (then the online probe's top-1 with `head`: its linear head, trained on --data's labels,
-        read where the monitor's data has as many classes: an ImageFolder's are its folders sorted by name)."""
-        return self.stopwatch.timed(self._run, model, head)
+    def __call__(self, model, probe=None):
+        """The KnnResult, with the online probe's top-1 where `probe` (sce.step.OnlineProbe, trained on --data's
+        labels) is given and the monitor's data has as many classes (an ImageFolder's are its folders sorted by
+        name)."""
+        return self.stopwatch.timed(self._run, model, probe)
 
-    def _run(self, model, head):
+    def _run(self, model, probe):
+        head = probe.head if probe is not None else None
         if head is not None and head.out_features != self.sets[2]:
             if du.is_main() and not self.said_classes:
                 print(f"=> the online probe's val top-1 is not read: it learns {head.out_features} classes, the kNN "

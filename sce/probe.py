@@ -84,7 +84,7 @@ def make_head(feat_dim, num_classes, device):
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class ProbeRun:
     """What a probe's epoch needs besides its number: the settings, the collaborators."""
     args: argparse.Namespace
     probe: Probe
@@ -148,7 +148,7 @@ def graphs_for(args, device, world):
     return CudaGraphs(device) if usable(args.cuda_graph, device, world, args.amp, "the probe's step") else None
 
 
-def train_one_epoch(run, epoch, start, progress):
+def train_probe_epoch(run, epoch, start, progress):
     """The head's steps of epoch `epoch` from step `start` (run.step adds to its sums, this rank's (loss sum, images)
     of the epoch so far). Returns the step to resume from if a stop was requested (its state is the caller's to
     save), else None. A non-finite loss is noted on the device and stops the run at the next progress line."""
@@ -169,7 +169,7 @@ def train_one_epoch(run, epoch, start, progress):
     return None
 
 
-def end_epoch(run, epoch, sums, best):
+def end_probe_epoch(run, epoch, sums, best):
     """After epoch `epoch`: its mean loss over every rank, the validation, its line and TensorBoard, then rank 0's
     checkpoint in the background (model_best.pth a second name of it when the epoch is the best). Returns the best
     Acc@1 and this epoch's (Acc@1, Acc@5)."""

@@ -3,6 +3,7 @@ holds, and loading it back exactly."""
 import json
 import os
 import random
+from typing import NamedTuple
 
 import torch
 
@@ -105,14 +106,21 @@ def check_mid_epoch(path, ckpt, args, data):
                         "data it ran on, or from an epoch-end checkpoint")
 
 
-def resume(args, model, optimizer, scaler, rank, data=None, probe=None):
-    """Load the checkpoint --resume points at, if any; returns (epoch, step in that epoch) to start from, and
-    the checkpoint's epoch_stats and epoch_sums (None without a checkpoint). An --epochs below the checkpoint's
-    is refused. data: the dataset's num_images, data_id and data_order (check_mid_epoch); probe: the online probe,
-    restored where the checkpoint holds one (else it starts afresh, said)."""
+class Resumed(NamedTuple):
+    """Where a run continues: what resume read from its checkpoint (a fresh run: epoch 0, step 0, None, None)."""
+    epoch: int  # the epochs done
+    step_in_epoch: int  # the steps done of the next one
+    epoch_stats: dict = None  # the last epoch's line of log.txt (run_state's epoch_stats), at an epoch's end
+    epoch_sums: dict = None  # the epoch's sums so far (sce.epoch.Epoch.sums), within an epoch
+
+
+def resume(args, model, optimizer, scaler, *, rank, data=None, probe=None):
+    """Load the checkpoint --resume points at, if any, into the model, optimizer and scaler: a Resumed. An --epochs
+    below the checkpoint's is refused. data: the dataset's num_images, data_id and data_order (check_mid_epoch);
+    probe: the online probe, restored where the checkpoint holds one (else it starts afresh, said)."""
     path = find_resume(args)
     if not path:
-        return 0, 0, None, None
+        return Resumed(0, 0)
     ckpt = checkpoint.load(path)
     if ckpt.get("kind") != "pretrain":
         raise UserError(f"{path} is not a main_pretrain.py checkpoint")
@@ -133,15 +141,7 @@ def resume(args, model, optimizer, scaler, rank, data=None, probe=None):
     load_optimizer_state(optimizer, ckpt["optimizer"])
     if scaler and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    saved = ckpt.get("online_probe")
-    if probe and saved and saved["head"]["weight"].shape != probe.head.weight.shape:  # other data's classes
-        if rank == 0:
-            print(f"=> {path}'s online probe has {len(saved['head']['weight'])} classes, this data "
-                  f"{len(probe.head.weight)}: it starts afresh", flush=True)
-    elif probe and saved:
-        probe.load_state_dict(saved)
-    elif probe and rank == 0:
-        print(f"=> {path} holds no online probe: it starts afresh", flush=True)
+    resume_online_probe(path, ckpt.get("online_probe"), probe, rank)
     torch.set_rng_state(ckpt["rng"]["torch"])
     random.setstate(ckpt["rng"]["python"])
     epoch, step = ckpt["epoch"], ckpt["step_in_epoch"]
@@ -154,4 +154,19 @@ def resume(args, model, optimizer, scaler, rank, data=None, probe=None):
     elif saved_gpus != gpus and rank == 0:  # one state per GPU: 8 do not map onto 4
         print(f"=> note: checkpoint saved the CUDA random state of {saved_gpus} GPUs, this run has "
               f"{gpus or 'none'}: continuing, but not bit-exact", flush=True)
-    return epoch, step, ckpt["epoch_stats"], ckpt["epoch_sums"]
+    return Resumed(epoch, step, ckpt["epoch_stats"], ckpt["epoch_sums"])
+
+
+def resume_online_probe(path, saved, probe, rank):
+    """The online probe `probe` continues the checkpoint's (`saved`, its state, or None) where its head has this data's
+    number of classes; else it starts afresh, said."""
+    if not probe:
+        return
+    if saved and saved["head"]["weight"].shape != probe.head.weight.shape:  # other data's classes
+        if rank == 0:
+            print(f"=> {path}'s online probe has {len(saved['head']['weight'])} classes, this data "
+                  f"{len(probe.head.weight)}: it starts afresh", flush=True)
+    elif saved:
+        probe.load_state_dict(saved)
+    elif rank == 0:
+        print(f"=> {path} holds no online probe: it starts afresh", flush=True)

@@ -4,7 +4,7 @@ global step (Schedules). main_pretrain.py, sce.epoch's loop and the benchmarks (
 benchmarks/fidelity/step_equality.py, benchmarks/checks/check_graph.py) all run these.
 
 build_step wraps train_step from the inside out, each wrapper keeping the contract step(views, momentum, labels=None) ->
-(loss, finite, terms), device tensors, no host sync:
+StepResult (loss, finite, terms, probe_top1), device tensors, no host sync:
   1. train_step bound to a Training (functools.partial): the step itself;
   2. CompiledStep (sce.compiling), when the modules were compile_model'd: the first call runs eagerly through
      compiling.Fallback, whose failure warns once and leaves the step eager for good; it notes each compile in the
@@ -15,6 +15,7 @@ build_step wraps train_step from the inside out, each wrapper keeping the contra
 """
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,14 @@ from sce.builder import momentum_at
 from sce.compiling import CompiledStep, Log
 from sce.cuda_graph import Graphed, lr_as_tensors
 from sce.optim import cosine_lr, grads_finite, restore_unless_finite, scheduled, step_unless_nonfinite
+
+
+class StepResult(NamedTuple):
+    """What a step returns: device tensors (a CUDA graph's, overwritten by its next replay)."""
+    loss: torch.Tensor
+    finite: torch.Tensor  # bool: the gradients were finite and the step was taken
+    terms: dict = None  # {name: value} of the method's logged terms (Training.terms), or None
+    probe_top1: torch.Tensor = None  # the online probe's top-1 (%) on the batch's labelled images, or None
 
 
 @dataclasses.dataclass
@@ -63,8 +72,9 @@ class OnlineProbe:
                                           capturable=torch.device(device).type == "cuda")
 
     @classmethod
-    def of(cls, model, targets, device, lr):
+    def of(cls, model, dataset, device, lr):
         """The probe of a MomentumModel on a dataset's labels, or None where they hold fewer than 2 classes."""
+        targets = getattr(dataset, "targets", None)
         classes = int(max(targets)) + 1 if targets is not None and len(targets) else 0
         return cls(model.projector[0].in_features, classes, device, lr) if classes >= 2 else None
 
@@ -103,13 +113,13 @@ class OnlineProbe:
 
 def train_step(t, views, momentum, labels=None):
     """One optimizer step on device views: the forward of both branches and the loss (t.ddp_model, the
-    MomentumModel's forward), the backward, the optimizer's step, the EMA; returns (loss, finite, terms), device
-    tensors (terms: t.terms of the first (target, query) pair, computed here so that the benchmark times them).
+    MomentumModel's forward), the backward, the optimizer's step, the EMA; returns a StepResult of device tensors
+    (terms: t.terms of the first (target, query) pair, computed here so that the benchmark times them).
     A step whose gradients are not finite leaves the weights and the optimizer as they were, decided on the device
     without a host sync: the fused SGD (or LARS) update is skipped through its `found_inf` input, the EMA uses
     momentum 1, and the BN running statistics, which the forward moved, are put back (their num_batches_tracked
     counters are not). The queue keeps the step's keys when they are finite, as in MoCo. With t.probe and the
-    images' labels, the online probe's step follows (its top-1 among the terms, as online_train_top1)."""
+    images' labels, the online probe's step follows (its top-1: probe_top1)."""
     device = views[0].device
     autocast = torch.autocast(device.type, dtype=t.amp_dtype, enabled=t.amp_dtype is not None,
                               cache_enabled=t.autocast_cache)
@@ -133,14 +143,13 @@ def train_step(t, views, momentum, labels=None):
     t.model.update_momentum(momentum, finite)
     if stats is not None:
         restore_unless_finite(t.bn_stats, stats, finite)
-    terms = t.terms(*outputs[:3]) if t.terms else None  # in fp32, as the loss is
-    if t.probe is not None and labels is not None:
-        terms = dict(terms or {}, online_train_top1=t.probe.step(outputs[3], labels))
-    return loss.detach(), finite, terms
+    terms = t.terms(outputs.q, outputs.k, outputs.queue) if t.terms else None  # in fp32, as the loss is
+    probe_top1 = t.probe.step(outputs.h, labels) if t.probe is not None and labels is not None else None
+    return StepResult(loss.detach(), finite, terms, probe_top1)
 
 
 def build_step(training, compiled=False, graphs=None, compiles=None):
-    """What the loop calls each step, step(views, momentum, labels=None) -> (loss, finite, terms): train_step on
+    """What the loop calls each step, step(views, momentum, labels=None) -> StepResult: train_step on
     `training`, eager; compiled (its modules were compiling.compile_model'd): through compiling.CompiledStep, which
     falls back to eager at the first step; graphs (sce.cuda_graph.CudaGraphs, or the tests' stand-in): replayed from a
     CUDA graph after GRAPH_WARMUP eager steps (sce.cuda_graph.Graphed; the outputs are the graph's tensors, overwritten

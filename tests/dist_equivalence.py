@@ -45,8 +45,9 @@ for epoch in range(epochs):
     sampler.set_epoch(epoch)
     for x in batches:
         set_lr(t.optimizer, cosine_lr(step, total, base_lr, warmup_steps=1))
-        loss, finite, _ = train_step(t, x, momentum_at(step, total, 0.9))
-        assert bool(finite)
+        result = train_step(t, x, momentum_at(step, total, 0.9))
+        loss = result.loss
+        assert bool(result.finite)
         step_losses.append(float(du.all_reduce_sum(loss.clone())) / world)  # each rank's loss is over its slice
         step += 1
 state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -188,7 +188,7 @@ def test_split_features_cache(tmp_path, capsys):
 PRIMITIVES = ["__init__", "builder", "losses", "optim", "checkpoint", "distributed", "preemption", "compiling",
               "cuda_graph", "progress", "metrics", "outdir", "timing", "layouts", "entry", "events", "recipes",
               "unpickling", "torchzip", "foreign"]
-ORCHESTRATION = ["step", "epoch", "resume", "knn", "frozen", "probe", "transfer", "cli", "plot", "settings"]
+ORCHESTRATION = ["step", "epoch", "tally", "resume", "knn", "frozen", "probe", "transfer", "cli", "plot", "settings"]
 MAX_DEPTH = 6  # the longest chain of project imports, files counted, scripts included
 
 
@@ -247,3 +247,40 @@ def test_the_scripts_read_as_flows():
         for node in ast.walk(ast.parse(open(os.path.join(REPO, script)).read())):
             if isinstance(node, ast.FunctionDef):
                 assert node.end_lineno - node.lineno + 1 <= 65, (script, node.name)
+
+
+def project_sources():
+    """The scripts', sce/'s, the benchmarks' and detection/'s Python files (the tests aside)."""
+    return sorted(p for pattern in ("*.py", "sce/**/*.py", "benchmarks/**/*.py", "detection/**/*.py")
+                  for p in glob.glob(os.path.join(REPO, pattern), recursive=True))
+
+
+def test_no_call_passes_more_than_6_positional_arguments():
+    """Past 6, arguments go by keyword (keyword-only parameters): a call cannot swap two of them silently. Calls of a
+    variadic function (one defined with *args here, or a call that unpacks *args) aside."""
+    trees = {path: ast.parse(open(path).read()) for path in project_sources()}
+    variadic = {node.name for tree in trees.values() for node in ast.walk(tree)
+                if isinstance(node, ast.FunctionDef) and node.args.vararg}
+    long = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if len(node.args) > 6 and name not in variadic:
+                long.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not long, long
+
+
+def test_one_name_for_one_thing():
+    """A function or class of sce/ or the scripts is defined in one module only (the scripts' main and get_parser
+    aside; those below are older)."""
+    known = {"main", "get_parser", "Samples", "run", "save", "_tensors"}
+    where = {}
+    for path in [os.path.join(REPO, s) for s in SCRIPTS] + glob.glob(os.path.join(REPO, "sce", "**", "*.py"),
+                                                                        recursive=True):
+        for node in ast.parse(open(path).read()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name not in known:
+                where.setdefault(node.name, []).append(os.path.relpath(path, REPO))
+    assert not {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert len(open(os.path.join(REPO, "sce", "epoch.py")).read().splitlines()) <= 300

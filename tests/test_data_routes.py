@@ -64,7 +64,8 @@ def test_the_routes_draw_the_same_parameters_and_make_the_same_pixels(photos):
     order.set_epoch(2)
     for key in order:  # every route's rows are the draw of (seed, epoch, index, view)
         rows = [r for r in loader[key][1][1]]
-        expected = [data.views.draw(spec, 3, 2, [key[1]], v, [40], [50])[0] for v, spec in enumerate(SPECS)]
+        expected = [data.views.draw(spec, 3, 2, [key[1]], v, height=[40], width=[50])[0]
+                    for v, spec in enumerate(SPECS)]
         assert all(torch.equal(a, b) for a, b in zip(rows, expected))
     pixels = {route: [v * torch.tensor(ops.STD).view(1, 3, 1, 1) * 255 for v in views]
               for route, views in made.items()}

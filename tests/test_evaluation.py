@@ -436,11 +436,12 @@ def test_the_monitor_reads_the_probe_only_on_data_of_as_many_classes(tmp_path, c
     other labels; it is left out, said once."""
     from types import SimpleNamespace
     from sce.knn import Monitor
+    from sce.step import OnlineProbe
     root = write_imagefolder(tmp_path / "knn", 3, 4, 4)
     monitor = Monitor(sce_data.eval_splits("imagefolder", root, 4, True, CPU), k=1, t=0.07)
     model = SimpleNamespace(encoder=torch.nn.Flatten())  # 3 x 4 x 4 pixels as the features
-    assert len(monitor(model, torch.nn.Linear(48, 3))) == 3  # kNN top-1, top-5, the probe's top-1
-    assert [len(monitor(model, torch.nn.Linear(48, 2))) for _ in range(2)] == [2, 2]
+    assert monitor(model, OnlineProbe(48, 3, "cpu")).probe_top1 is not None  # kNN top-1, top-5, the probe's top-1
+    assert [monitor(model, OnlineProbe(48, 2, "cpu")).probe_top1 for _ in range(2)] == [None, None]
     said = "the online probe's val top-1 is not read: it learns 2 classes, the kNN data has 3"
     assert capsys.readouterr().out.count(said) == 1
 
@@ -529,7 +530,7 @@ def test_the_probes_batches_are_the_same_on_every_route(folder):
     got = torch.cat([b[0] for b in batches])
     images = train.images.images[torch.tensor(order[7:])]
     ops = sce_data.ops
-    rows = sce_data.views.probe_crops(4, 16, 2, 3, order[7:], [16] * 17, [16] * 17)
+    rows = sce_data.views.probe_crops(4, 16, 2, 3, order[7:], height=[16] * 17, width=[16] * 17)
     expected = ops.normalize(ops.resized_crops(images, rows, 16) / 255, *ops.normalization(CPU))
     assert torch.equal(got, expected)
     jpegs = write_imagefolder(folder + "_jpeg", 2, 3, 40)

@@ -68,8 +68,8 @@ def test_a_byol_style_method_is_one_record_and_trains_a_step(with_byol):
     before = [p.clone() for p in model.online_parameters()]
     optimizer = build_optimizer("sgd", model, 0.1, 0.0)
     views = [torch.randn(8, 3, 16, 16) for _ in range(2)]
-    loss, finite, terms = train_step(Training(model, model, optimizer), views, 0.99)
-    assert finite and terms is None and 0 <= loss <= 4
+    result = train_step(Training(model, model, optimizer), views, 0.99)
+    assert result.finite and result.terms is None and result.probe_top1 is None and 0 <= result.loss <= 4
     assert any(not torch.equal(a, b) for a, b in zip(before, model.online_parameters()))
     with pytest.raises(cli.UserError, match="--queue-size is a setting of a method with a queue"):
         script.check_args(script.parse_args(["--data", "d", "--method", "byol", "--queue-size", "64"]))
@@ -154,8 +154,8 @@ def test_the_probes_gradient_over_ranks_is_the_whole_batchs_mean(monkeypatch):
 def test_the_probe_keeps_the_runs_random_numbers_and_its_own_settings_on_resume(monkeypatch):
     """Its head's draws touch no GPU generator (shuffle-BN's there) and put the CPU's back; a resumed probe keeps
     this run's lr; a mid-epoch checkpoint written without it (an old list, or a dict) resumes with it."""
-    from sce.epoch import Tally, window_means
-    from sce.step import OnlineProbe
+    from sce.step import OnlineProbe, StepResult
+    from sce.tally import Tally, window_means
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: pytest.fail("a GPU generator was seeded"))
     saved = OnlineProbe(8, 3, "cpu", lr=0.1)
     saved.step(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
@@ -166,8 +166,8 @@ def test_the_probe_keeps_the_runs_random_numbers_and_its_own_settings_on_resume(
     one = torch.ones(())
     for sums in ([2.0, 14.0, 6.0, 2.0], {"steps": 2.0, "loss": 14.0, "a": 6.0, "finite_losses": 2.0}):
         tally = Tally("cpu", torch.zeros(()), sums)
-        tally.add(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one, "online_train_top1": 50 * one})
-        tally.add(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one, "online_train_top1": 100 * one})
+        tally.add(StepResult(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one}, probe_top1=50 * one))
+        tally.add(StepResult(7 * one, torch.ones((), dtype=torch.bool), {"a": 3 * one}, probe_top1=100 * one))
         epoch = tally.read(tally.epoch)
         assert epoch == {"steps": 4.0, "loss": 28.0, "a": 12.0, "online_train_top1": 300.0}
         assert window_means(epoch, 4)["online_train_top1"] == 75.0  # the mean of its own two steps, not 37.5

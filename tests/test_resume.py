@@ -282,7 +282,7 @@ def test_epochs_below_the_checkpoint_is_an_error_and_equal_is_complete(small, st
 def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatch, capsys, saved, gpus, note):
     """saved: CUDA random states in the checkpoint (one per GPU); gpus: this run's GPUs (None: no CUDA)."""
     from sce import checkpoint
-    from sce.resume import resume, run_state
+    from sce.resume import Resumed, resume, run_state
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer("sgd", model, 0.1, 0.0)
     args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4, epochs=2, method="moco")
@@ -293,7 +293,7 @@ def test_resume_notes_a_cuda_random_state_it_cannot_restore(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus or 0)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    assert resume(args, model, optimizer, None, 0) == (1, 0, None, None)
+    assert resume(args, model, optimizer, None, rank=0) == Resumed(epoch=1, step_in_epoch=0)
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=> note")]
     assert notes == ([note] if note else [])
     assert len(restored) == (saved == gpus)

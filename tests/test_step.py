@@ -48,12 +48,12 @@ def test_guard_undoes_a_nonfinite_step_exactly(optimizer, scaler):
     t = make_training(optimizer, criterion)
     t.scaler = torch.amp.GradScaler("cpu") if scaler else None
     for seed in range(3):  # momentum buffers, BN statistics and the EMA are all non-trivial by now
-        loss, finite, _ = train_step(t, views(seed), 0.9)
-        assert bool(finite) and torch.isfinite(loss)
+        result = train_step(t, views(seed), 0.9)
+        assert bool(result.finite) and torch.isfinite(result.loss)
     before, buffers = snapshot(t)
     poison[0] = True
-    loss, finite, _ = train_step(t, views(3), 0.9)
-    assert not bool(finite) and torch.isnan(loss)
+    result = train_step(t, views(3), 0.9)
+    assert not bool(result.finite) and torch.isnan(result.loss)
     after, buffers_after = snapshot(t)
     for key in before:  # weights and BN statistics of both branches (the queue took the finite keys)
         if not key.endswith("num_batches_tracked") and key not in ("queue", "queue_ptr"):
@@ -79,7 +79,8 @@ def test_loss_and_terms_run_in_fp32_under_amp(method):
         t = make_training(criterion=criterion)
         t.amp_dtype, t.terms = amp, terms
         queue = t.model.queue.clone()
-        loss, _, logged = train_step(t, views(0), 0.9)
+        result = train_step(t, views(0), 0.9)
+        loss, logged = result.loss, result.terms
         q, k, queue_seen, autocast = seen.pop()
         assert not autocast and torch.equal(queue_seen, queue)  # the queue before the keys
         assert q.dtype == k.dtype == torch.float32
@@ -135,8 +136,9 @@ def test_compiled_step_equals_the_eager_step():
     compile_model(compiled.model, Log())
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed in range(2):
-        loss, finite, _ = train_step(compiled, views(seed), 0.9)
-        assert bool(finite) and loss.item() == pytest.approx(train_step(eager, views(seed), 0.9)[0].item(), abs=1e-4)
+        result = train_step(compiled, views(seed), 0.9)
+        assert bool(result.finite) and result.loss.item() == pytest.approx(
+            train_step(eager, views(seed), 0.9).loss.item(), abs=1e-4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the compiled modules ran
     after = eager.model.state_dict()
     for key, value in compiled.model.state_dict().items():
@@ -196,14 +198,14 @@ def failing_compile(where):
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_failed_compile_falls_back_to_the_eager_step_exactly(monkeypatch, where):
     eager = make_training()
-    expected = [train_step(eager, views(seed), 0.9)[0] for seed in range(2)]
+    expected = [train_step(eager, views(seed), 0.9).loss for seed in range(2)]
     rng = torch.get_rng_state()
     monkeypatch.setattr(torch.nn.Module, "compile", failing_compile(where))
     t = make_training()
     compile_model(t.model, Log())
     step = build_step(t, compiled=True)  # no Log given: one of its own
     with pytest.warns(UserWarning) as caught:
-        losses_ = [step(views(seed), 0.9)[0] for seed in range(2)]
+        losses_ = [step(views(seed), 0.9).loss for seed in range(2)]
     assert [str(w.message) for w in caught if "--compile" in str(w.message)] == [
         "--compile: torch.compile of the training step failed (Cannot find a working triton installation. Either the "
         "package is not installed or ...): running it eagerly"]
@@ -257,8 +259,8 @@ def run_steps(step, t, lam, steps=5):
         views = [torch.randn(4, 3, 8, 8, generator=g) for _ in range(2)]
         set_lr(t.optimizer, 0.5 / (i + 1))
         lam.fill_(0.2 * i)
-        loss, finite, terms = step(views, 0.9 + 0.02 * i)
-        out.append((loss.clone(), finite.clone(), {k: v.clone() for k, v in terms.items()}))
+        result = step(views, 0.9 + 0.02 * i)
+        out.append((result.loss.clone(), result.finite.clone(), {k: v.clone() for k, v in result.terms.items()}))
     return out
 
 
@@ -408,7 +410,7 @@ def test_blocks_compile_once_a_shape_and_give_the_eager_step(monkeypatch):
     compile_model(compiled.model, Log(), blocks=True)
     for seed in range(2):
         a, b = [(torch.manual_seed(seed), train_step(t, views(seed), 0.9))[1] for t in (compiled, eager)]
-        assert torch.allclose(a[0], b[0], rtol=1e-5), seed
+        assert torch.allclose(a.loss, b.loss, rtol=1e-5), seed
     # 7 block shapes x 2 branches (the momentum one under no_grad) and the 2 projectors; no more in the second step
     assert len(graphs) == 16 and not symbolic
     after = eager.model.state_dict()

@@ -39,7 +39,8 @@ def photo():
 
 
 def rows_of(aug, n=400, size=24, height=90, width=120, seed=0, epoch=0, view=1):
-    return views.draw(views.ViewSpec(aug, size), seed, epoch, np.arange(n), view, [height] * n, [width] * n)
+    return views.draw(views.ViewSpec(aug, size), seed, epoch, np.arange(n), view, height=[height] * n,
+                      width=[width] * n)
 
 
 # ---------------------------------------------------------------- the table and the draws
@@ -100,11 +101,13 @@ def test_the_draws_are_a_function_of_seed_epoch_index_and_view():
     """However they are batched (one image in a worker, a batch, a whole epoch), the same numbers; any of the
     four changes them."""
     spec = views.ViewSpec("strong-gamma", 24)
-    batch = views.draw(spec, 3, 2, np.arange(500), 1, [90] * 500, [120] * 500)
-    assert all(torch.equal(batch[i], views.draw(spec, 3, 2, [i], 1, [90], [120])[0]) for i in range(0, 500, 13))
+    batch = views.draw(spec, 3, 2, np.arange(500), 1, height=[90] * 500, width=[120] * 500)
+    assert all(torch.equal(batch[i], views.draw(spec, 3, 2, [i], 1, height=[90], width=[120])[0])
+               for i in range(0, 500, 13))
     for other in ((4, 2, 1), (3, 3, 1), (3, 2, 0)):  # seed, epoch, view
         seed, epoch, view = other
-        assert not torch.equal(batch, views.draw(spec, seed, epoch, np.arange(500), view, [90] * 500, [120] * 500))
+        assert not torch.equal(batch, views.draw(spec, seed, epoch, np.arange(500), view, height=[90] * 500,
+                                                  width=[120] * 500))
     assert not torch.equal(batch[:250], batch[250:])  # index
 
 
@@ -261,7 +264,7 @@ def test_compiled_views_equal_eager_and_a_failed_compile_runs_eagerly(monkeypatc
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real(fn, backend="aot_eager", **kwargs))
     image = torch.randint(0, 256, (3, 60, 70), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    rows = views.draw(views.ViewSpec("strong-gamma", 32), 0, 0, np.arange(16), 1, [60] * 16, [70] * 16)
+    rows = views.draw(views.ViewSpec("strong-gamma", 32), 0, 0, np.arange(16), 1, height=[60] * 16, width=[70] * 16)
     crops = torch.cat([ops.resized_crops(image[None], r[None], 32) for r in rows])  # one by one, as the workers
     args, output = (crops, rows, True), dict(dtype=torch.bfloat16, channels_last=True)
     runner = Views([], "cpu", compile=True, compiles=Log(), **output)

@@ -73,9 +73,10 @@ for name in ("eager", "graph"):
     for s in range(args.steps):
         set_lr(t.optimizer, cosine_lr(s, args.steps, RECIPE.lr, 2))
         lam.fill_(0.5 + 0.05 * s)
-        loss, finite, terms = step(views[s], 0.99 + 0.001 * s, labels[s])
+        result = step(views[s], 0.99 + 0.001 * s, labels[s])
         # a graph's outputs are overwritten by its next replay: read them now
-        out.append([float(loss)] + [float(terms[k]) for k in ("infonce", "ressl", "ceil", "online_train_top1")])
+        out.append([float(result.loss)] + [float(result.terms[k]) for k in ("infonce", "ressl", "ceil")]
+                   + [float(result.probe_top1)])
     runs[name] = (out, {**{k: v.clone() for k, v in t.model.state_dict().items()},
                         **{f"online_probe.{k}": v.clone() for k, v in t.probe.head.state_dict().items()}})
     if name == "graph" and not step.graphed:

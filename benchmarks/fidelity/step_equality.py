@@ -270,7 +270,7 @@ def our_steps(training, reference, feed, splits, chained=False):
         order = grouped_order(f["order"], splits)
         model.shuffle_order = lambda n, device: order.to(device)
         set_lr(training.optimizer, ref["lr"])
-        loss, _, _ = train_step(training, f["views"], ref["momentum"])
+        loss = train_step(training, f["views"], ref["momentum"]).loss
         steps.append(dict(before=before, after=save_state(training), lr=ref["lr"], momentum=ref["momentum"],
                           loss=float(loss), grads={n: p.grad.clone() for n, p in model.named_parameters()
                                                    if p.grad is not None}))
@@ -354,7 +354,7 @@ def view_differences(theirs, args):
     from sce.data import views as V
     out = []
     for v, (spec, their) in enumerate(zip(V.view_specs(args), theirs)):
-        rows = V.draw(spec, 0, 0, np.arange(DRAWS), v, np.full(DRAWS, 32), np.full(DRAWS, 32)).numpy()
+        rows = V.draw(spec, 0, 0, np.arange(DRAWS), v, height=np.full(DRAWS, 32), width=np.full(DRAWS, 32)).numpy()
         p_jitter, jitter, p_gray, p_blur, _ = V.AUGMENTATIONS[spec.aug]
         ours_settings = dict(aug=spec.aug, scale=list(spec.scale), ratio=list(V.RRC_RATIO), flip=0.5,
                              jitter=p_jitter, jitter_ranges=V.jitter_ranges(jitter) if jitter else None,

@@ -41,6 +41,7 @@ from sce.cuda_graph import GRAPH_WARMUP, CudaGraphs, Graphed  # noqa: E402
 from sce.optim import build_optimizer  # noqa: E402
 from sce.data import Batch  # noqa: E402
 from sce.step import OnlineProbe, Schedules, Training, build_step  # noqa: E402
+from sce.tally import Tally  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--data", metavar="DIR",
@@ -193,7 +194,7 @@ class Scheduled:
 
     def __init__(self, run):
         self.run, self.steps = run, itertools.count()
-        self.tally = epoch.Tally(device, torch.zeros((), device=device))
+        self.tally = Tally(device, torch.zeros((), device=device))
 
     def __call__(self, views, _momentum):
         epoch.one_step(self.run, next(self.steps), views, self.tally)

@@ -135,7 +135,7 @@ def jitter_ranges(jitter):
     return [(max(0.0, 1 - v), 1 + v) for v in (b, c, s)] + [(-h, h)]
 
 
-def draw(spec, seed, epoch, index, view, height, width):
+def draw(spec, seed, epoch, index, view, *, height, width):
     """The parameters of view `view` (its ViewSpec `spec`) of images `index` (N,) of sizes (height, width),
     packed in rows (N, PACKED) float64: top, left, height, width, flip, then the photometric ones (jitter,
     order (4), factors (4), gray, sigma, solarize). A function of (seed, epoch, index, view) alone."""
@@ -179,7 +179,7 @@ def _photometric_row(aug):
 PROBE_SCALE = (0.08, 1.0)  # the linear probe's RandomResizedCrop on large images (torchvision's default)
 
 
-def probe_crops(padding, size, seed, epoch, index, height, width):
+def probe_crops(padding, size, seed, epoch, index, *, height, width):
     """The linear probe's random crops and flips of images `index` (N,) of sizes (height, width), packed rows
     (N, 5) float64: top, left, height, width, flip. padding > 0: the small-image protocol's crop of `size` with
     `padding` zero pixels around (RandomCrop(size, padding)); 0: the large-image RandomResizedCrop(size)."""
