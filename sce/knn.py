@@ -156,23 +156,24 @@ class Monitor:
         self.compiles = compiles or Log()
         self.stopwatch = stopwatch or Stopwatch(self.compiles)
         self.images = self.compile_s = None
+        # the kNN data's classes by name (sce.data.EvalSplit.classes; unnamed: their numbers)
+        self.classes = getattr(sets[0], "classes", None) or [str(i) for i in range(sets[2])]
         self.said_classes = False  # that the probe's classes are not the kNN data's
         self.fallback = Fallback("the kNN monitor's encoder", lambda encoder, x: encoder(x),
                                  lambda encoder, x: encoder._call_impl(x)) if compiled else None
 
     def __call__(self, model, probe=None):
         """The KnnResult, with the online probe's top-1 where `probe` (sce.step.OnlineProbe, trained on --data's
-        labels) is given and the monitor's data has as many classes (an ImageFolder's are its folders sorted by
-        name)."""
+        labels) is given and learns the kNN data's classes (the same names in the same order), else said once."""
         return self.stopwatch.timed(self._run, model, probe)
 
     def _run(self, model, probe):
-        head = probe.head if probe is not None else None
-        if head is not None and head.out_features != self.sets[2]:
-            if du.is_main() and not self.said_classes:
-                print(f"=> the online probe's val top-1 is not read: it learns {head.out_features} classes, the kNN "
-                      f"data has {self.sets[2]}", flush=True)
-            self.said_classes, head = True, None
+        other = probe.other_classes(self.classes) if probe is not None else None
+        if other and du.is_main() and not self.said_classes:
+            print(f"=> the online probe's val top-1 is not read: the kNN data's classes are not the ones it learns "
+                  f"({other})", flush=True)
+        self.said_classes = self.said_classes or bool(other)
+        head = probe.head if probe is not None and not other else None
         logged, before = self.compiles.total(), len(self.compiles.seconds)
         for buffer in model.encoder.buffers():
             du.broadcast(buffer)

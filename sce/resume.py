@@ -117,7 +117,8 @@ class Resumed(NamedTuple):
 def resume(args, model, optimizer, scaler, *, rank, data=None, probe=None):
     """Load the checkpoint --resume points at, if any, into the model, optimizer and scaler: a Resumed. An --epochs
     below the checkpoint's is refused. data: the dataset's num_images, data_id and data_order (check_mid_epoch);
-    probe: the online probe, restored where the checkpoint holds one (else it starts afresh, said)."""
+    probe: the online probe, restored where the checkpoint holds one that learned this data's classes (else it starts
+    afresh, said)."""
     path = find_resume(args)
     if not path:
         return Resumed(0, 0)
@@ -158,15 +159,15 @@ def resume(args, model, optimizer, scaler, *, rank, data=None, probe=None):
 
 
 def resume_online_probe(path, saved, probe, rank):
-    """The online probe `probe` continues the checkpoint's (`saved`, its state, or None) where its head has this data's
-    number of classes; else it starts afresh, said."""
+    """The online probe `probe` continues the checkpoint's (`saved`, its state, or None) where that one learned this
+    data's classes; else it starts afresh, said."""
     if not probe:
         return
-    if saved and saved["head"]["weight"].shape != probe.head.weight.shape:  # other data's classes
-        if rank == 0:
-            print(f"=> {path}'s online probe has {len(saved['head']['weight'])} classes, this data "
-                  f"{len(probe.head.weight)}: it starts afresh", flush=True)
-    elif saved:
+    other = probe.other_classes(saved.get("classes")) if saved else None
+    if saved and not other:
         probe.load_state_dict(saved)
+    elif rank == 0 and saved:
+        print(f"=> {path}'s online probe learned other classes than this data's ({other}): it starts afresh",
+              flush=True)
     elif rank == 0:
         print(f"=> {path} holds no online probe: it starts afresh", flush=True)

@@ -60,12 +60,17 @@ class OnlineProbe:
     its own optimizer (Adam, as the authors' online evaluator; its gradient the mean over the labelled images of every
     rank): a running top-1 of the training batches beside the method, which it never touches (its loss has no path to
     the trunk, its step no part in the method's guard). Its top-1 on the validation split is the kNN monitor's (sce.knn:
-    the same features). Labels below 0 (images without one) count for nothing."""
+    the same features), where that data's classes are the ones it learns. Labels below 0 (images without one) count
+    for nothing. classes: the names of its classes (default: their numbers), kept in its state: a resume on data of
+    other classes starts it afresh (sce.resume)."""
 
-    def __init__(self, feat_dim, num_classes, device, lr=1e-3):
+    def __init__(self, feat_dim, num_classes, device, lr=1e-3, classes=None):
         with torch.random.fork_rng(devices=[]):  # its own draws (the CPU's generator, put back; no GPU's touched)
             torch.random.default_generator.manual_seed(0)
             self.head = torch.nn.Linear(feat_dim, num_classes).to(device)
+        self.classes = [str(c) for c in classes] if classes is not None else [str(i) for i in range(num_classes)]
+        if len(self.classes) != num_classes:
+            raise ValueError(f"{len(self.classes)} class names for {num_classes} classes")
         self.restored = False  # from a checkpoint (sce.resume)
         # capturable: its step inside the step's CUDA graph (its step count kept on the GPU)
         self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr, fused=True,
@@ -73,13 +78,26 @@ class OnlineProbe:
 
     @classmethod
     def of(cls, model, dataset, device, lr):
-        """The probe of a MomentumModel on a dataset's labels, or None where they hold fewer than 2 classes."""
-        targets = getattr(dataset, "targets", None)
-        classes = int(max(targets)) + 1 if targets is not None and len(targets) else 0
-        return cls(model.projector[0].in_features, classes, device, lr) if classes >= 2 else None
+        """The probe of a MomentumModel on a dataset's labels and classes (its class names where it has them), or None
+        where it holds fewer than 2 classes."""
+        targets, names = getattr(dataset, "targets", None), getattr(dataset, "classes", None)
+        if targets is None or not len(targets):
+            return None
+        classes = list(names) if names else range(int(max(targets)) + 1)
+        return cls(model.projector[0].in_features, len(classes), device, lr, classes) if len(classes) >= 2 else None
+
+    def other_classes(self, classes):
+        """Why `classes` (names; None: not recorded) are not the ones this probe learns, in a few words; or None."""
+        if classes is None:
+            return "its classes are not recorded (an earlier version)"
+        classes = [str(c) for c in classes]
+        if len(classes) != len(self.classes):
+            return f"{len(classes)} classes, not {len(self.classes)}"
+        differ = [(a, b) for a, b in zip(classes, self.classes) if a != b]
+        return f"other classes of as many: {differ[0][0]!r}, not {differ[0][1]!r}" if differ else None
 
     def state_dict(self):
-        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "classes": self.classes}
 
     def load_state_dict(self, state):
         """The saved head and Adam's state; its lr and capturable stay this run's (--online-probe-lr, the device)."""

@@ -431,19 +431,26 @@ def test_knn_max_train_takes_a_seeded_subset_as_the_bank(tmp_path):
     assert torch.equal(banks[0], banks[1]) and not torch.equal(banks[0], banks[2])  # drawn from the seed
 
 
-def test_the_monitor_reads_the_probe_only_on_data_of_as_many_classes(tmp_path, capsys):
-    """The online probe's head learns --data's classes: on --knn-data of another number its top-1 would compare
-    other labels; it is left out, said once."""
+@pytest.mark.parametrize("classes,said", [
+    (["class_0", "class_1", "class_2"], None),
+    (["class_0", "class_1", "class_x"], "other classes of as many: 'class_2', not 'class_x'"),
+    (["class_0", "class_1"], "3 classes, not 2")])
+def test_the_monitor_reads_the_probe_only_on_data_of_the_same_classes(tmp_path, capsys, classes, said):
+    """The online probe's head learns --data's classes: on --knn-data of other classes, even as many, its top-1 would
+    compare other labels; it is left out, said once."""
     from types import SimpleNamespace
-    from sce.knn import Monitor
+    from sce.knn import KnnResult, Monitor
     from sce.step import OnlineProbe
     root = write_imagefolder(tmp_path / "knn", 3, 4, 4)
     monitor = Monitor(sce_data.eval_splits("imagefolder", root, 4, True, CPU), k=1, t=0.07)
     model = SimpleNamespace(encoder=torch.nn.Flatten())  # 3 x 4 x 4 pixels as the features
-    assert monitor(model, OnlineProbe(48, 3, "cpu")).probe_top1 is not None  # kNN top-1, top-5, the probe's top-1
-    assert [monitor(model, OnlineProbe(48, 2, "cpu")).probe_top1 for _ in range(2)] == [None, None]
-    said = "the online probe's val top-1 is not read: it learns 2 classes, the kNN data has 3"
-    assert capsys.readouterr().out.count(said) == 1
+    probe = OnlineProbe(48, len(classes), "cpu", classes=classes)
+    results = [monitor(model, probe) for _ in range(2)]
+    assert all(isinstance(r, KnnResult) and 0 <= r.top1 <= r.top5 <= 100 for r in results)
+    assert [r.probe_top1 is None for r in results] == [bool(said)] * 2
+    out = capsys.readouterr().out
+    assert out.count(f"the online probe's val top-1 is not read: the kNN data's classes are not the ones it learns "
+                     f"({said})") == bool(said)
 
 
 def test_knn_monitor_reads_cifar_batches(tmp_path):

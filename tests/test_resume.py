@@ -247,15 +247,44 @@ def test_a_mid_epoch_resume_with_another_seed_or_dataset_is_refused(small, stopp
 
 
 def test_an_epoch_end_resume_on_data_of_other_classes_starts_the_probe_afresh(small, stopped, tmp_path, capsys):
+    """As many classes, other ones (class_1 renamed): the probe's head would carry on with other labels."""
     out = tmp_path / "out"
     os.makedirs(out)
     ended = load(stopped / "checkpoint_last.pth")
     ended.update(epoch=1, step=2, step_in_epoch=0)  # epoch 1's end: other data may follow
     torch.save(ended, out / "checkpoint_last.pth")
-    three = write_imagefolder(tmp_path / "three", num_classes=3, per_class=4, size=20, splits=("",))
-    pretrain(three, out, "--epochs", 2)
-    assert "online probe has 2 classes, this data 3: it starts afresh" in capsys.readouterr().out
-    assert load(out / "checkpoint_last.pth")["online_probe"]["head"]["weight"].shape[0] == 3
+    assert ended["online_probe"]["classes"] == ["class_0", "class_1"]
+    other = write_imagefolder(tmp_path / "other", num_classes=2, per_class=4, size=20, splits=("",))
+    os.rename(os.path.join(other, "class_1"), os.path.join(other, "class_b"))
+    pretrain(other, out, "--epochs", 2)
+    assert ("online probe learned other classes than this data's (other classes of as many: 'class_1', not "
+            "'class_b'): it starts afresh") in capsys.readouterr().out
+    probe = load(out / "checkpoint_last.pth")["online_probe"]
+    assert probe["classes"] == ["class_0", "class_b"]
+    assert not torch.equal(probe["head"]["weight"], ended["online_probe"]["head"]["weight"])
+
+
+@pytest.mark.parametrize("saved,said", [
+    (["a", "b"], None), (["a", "c"], "other classes of as many: 'c', not 'b'"), (["a", "b", "c"], "3 classes, not 2"),
+    (None, "its classes are not recorded (an earlier version)")])
+def test_the_online_probe_resumes_only_on_the_classes_it_learned(tmp_path, capsys, saved, said):
+    """saved: the checkpoint's probe's classes (None: a checkpoint of before they were recorded); this run's: a, b."""
+    from sce.resume import resume, run_state
+    from sce.step import OnlineProbe
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer("sgd", model, 0.1, 0.0)
+    args = argparse.Namespace(resume="auto", output_dir=str(tmp_path), batch_size=4, epochs=2, method="moco")
+    before = OnlineProbe(8, len(saved or "ab"), "cpu", classes=saved)
+    before.head.weight.data.fill_(1.0)
+    state = run_state(model, optimizer, None, args, epoch=1, step_in_epoch=0, global_step=2, probe=before)
+    if saved is None:
+        del state["online_probe"]["classes"]
+    checkpoint.save(state, str(tmp_path))
+    probe = OnlineProbe(8, 2, "cpu", classes=["a", "b"])
+    resume(args, model, optimizer, None, rank=0, probe=probe)
+    out = capsys.readouterr().out
+    assert probe.restored == (said is None) and bool((probe.head.weight == 1).all()) == (said is None)
+    assert (f"online probe learned other classes than this data's ({said}): it starts afresh" in out) == bool(said)
 
 
 def test_epochs_below_the_checkpoint_is_an_error_and_equal_is_complete(small, stopped, tmp_path, capsys):

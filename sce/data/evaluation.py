@@ -162,12 +162,13 @@ class EvalSplit:
     """A split and how it is read: len(), targets, subset(indices), describe(), and batches(batch_size, sampler):
     (normalised images, targets) on the device, in the order of `sampler` (keys (epoch, index); default: this
     rank's Shard). route: preload (images: an Images), decode or loader (dataset). data_id: the linear probe's train
-    split's fingerprint (sce.data.files.fingerprint), which a mid-epoch resume compares."""
+    split's fingerprint (sce.data.files.fingerprint), which a mid-epoch resume compares. classes: the names of its
+    classes, or None (eval_splits: its dataset's)."""
 
     def __init__(self, route, geometry, device, dataset=None, images=None, workers=0, seed=0, targets=None,
-                 data_id=None):
+                 data_id=None, classes=None):
         self.route, self.geometry, self.device, self.workers, self.seed = route, geometry, device, workers, seed
-        self.dataset, self.images, self.data_id = dataset, images, data_id
+        self.dataset, self.images, self.data_id, self.classes = dataset, images, data_id, classes
         self.targets = (targets if targets is not None else images.targets.tolist() if images is not None
                         else list(dataset.targets))
 
@@ -298,6 +299,7 @@ def eval_splits(dataset, root, size, small_input, device, preload_mode="auto", d
     where they are its own, at its size (no second copy)."""
     route = eval_route(decode, small_input)
     train, val, classes = read_splits(dataset, root, READER[route], class_list)
+    names = getattr(train, "classes", None)  # val's are the same (read_splits)
     geometries = protocol(size, small_input, augment_train), protocol(size, small_input, False)
     ids = fingerprint(train) if augment_train else None, None
     if small_input and budget is not None and wanted(preload_mode, device):
@@ -312,7 +314,7 @@ def eval_splits(dataset, root, size, small_input, device, preload_mode="auto", d
                            transform=transform)
         preloaded = [load(train, "train", geometries[0]), load(val, "val", geometries[1])]
         if all(p is not None for p in preloaded):
-            return (*(EvalSplit("preload", g, device, images=p, seed=seed, data_id=i)
+            return (*(EvalSplit("preload", g, device, images=p, seed=seed, data_id=i, classes=names)
                       for p, g, i in zip(preloaded, geometries, ids)), classes)
-    return (*(EvalSplit(route, g, device, ds, workers=workers, seed=seed, data_id=i)
+    return (*(EvalSplit(route, g, device, ds, workers=workers, seed=seed, data_id=i, classes=names)
               for ds, g, i in zip((train, val), geometries, ids)), classes)
