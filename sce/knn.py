@@ -39,10 +39,11 @@ def extract_features(trunk, batches, channels_last=False, normalize=True, name=N
     trunk sees one shape: no second compile). forward: how to call the trunk (default: trunk(images)). A stop signal
     before a run's loop holds them stops it between two batches (sce.preemption.safe_points)."""
     with preemption.safe_points(f"extracting the {name or 'features'}"):
-        return _extract(trunk, batches, channels_last, normalize, name, pad_to, forward)
+        return _extract(trunk, batches, channels_last=channels_last, normalize=normalize, name=name, pad_to=pad_to,
+                        forward=forward)
 
 
-def _extract(trunk, batches, channels_last, normalize, name, pad_to, forward):
+def _extract(trunk, batches, *, channels_last, normalize, name, pad_to, forward):
     was_training = trunk.training
     trunk.eval()
     feats, labels = [], []
@@ -126,10 +127,11 @@ def knn_accuracy(trunk, train_set, val_set, num_classes, k=200, t=0.07, batch_si
                         f"image per rank ({du.world_size()}): use more images or a larger --knn-max-train")
     pad_to = min(batch_size, max(len(train_set), len(val_set))) if pad else None
     with preemption.safe_points("computing the kNN"):  # the loaders' teardown too
-        return _knn(trunk, train_set, val_set, num_classes, k, t, batch_size, pad_to, forward, head)
+        return _knn(trunk, train_set, val_set, num_classes, k=k, t=t, batch_size=batch_size, pad_to=pad_to,
+                    forward=forward, head=head)
 
 
-def _knn(trunk, train_set, val_set, num_classes, k, t, batch_size, pad_to, forward, head):
+def _knn(trunk, train_set, val_set, num_classes, *, k, t, batch_size, pad_to, forward, head):
     bank, bank_labels = extract_features(trunk, train_set.batches(batch_size), name="train features", pad_to=pad_to,
                                          forward=forward)
     features, labels = (gather_rows(x) for x in extract_features(trunk, val_set.batches(batch_size), normalize=False,
