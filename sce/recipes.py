@@ -185,6 +185,15 @@ def flag_of(key):
     return "--" + key.rstrip("_").replace("_", "-")
 
 
+def as_typed(value):
+    """A setting as it is typed (lists blank-separated, on/off as such)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return " ".join(typed(v) for v in value) or "(none)"
+    return "(not set)" if value is None else typed(value)
+
+
 def typed(value):
     """A number as it is typed: 5e-4 and 1.5e-6, not 0.0005 and 1.5e-06; 0.1, 30.0 as 0.1 and 30."""
     if isinstance(value, float):

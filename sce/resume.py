@@ -10,6 +10,7 @@ import torch
 from sce import UserError, checkpoint
 from sce import distributed as du
 from sce.losses import METHODS
+from sce.recipes import as_typed
 from sce.optim import excludes_bias_norm, load_optimizer_state
 
 # settings a resumed run must share with its checkpoint: the model's shape, the method and its own settings (its
@@ -74,15 +75,6 @@ def effective(settings, key):
     if key == "wd_exclude_bias_norm":
         return excludes_bias_norm(settings.get("optimizer"), settings.get(key))
     return settings.get(key)
-
-
-def as_typed(value):
-    """A setting as it is typed on the command line."""
-    if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value))
-    if value is None or isinstance(value, bool):
-        return {None: "(not set)", True: "(on)", False: "(off)"}[value]
-    return value
 
 
 def check_mid_epoch(path, ckpt, args, data):

@@ -8,6 +8,7 @@ import json
 import os
 
 from sce import UserError, cli, losses, recipes
+from sce.recipes import as_typed, flag_of
 from sce.layouts import DATASETS
 
 UNSET = object()
@@ -54,12 +55,6 @@ class Settings(argparse.Namespace):
 
     def __setattr__(self, key, value):
         raise AttributeError(f"the settings are resolved once (sce.settings): {key} cannot be set afterwards")
-
-
-def flag_of(parser, key):
-    """The first long option of `key`'s flag (--lambda for lambda_)."""
-    action = next(a for a in parser._actions if a.dest == key)
-    return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
 
 
 def typed_flags(parser, argv):
@@ -177,7 +172,7 @@ def row_layer(layers, name, method, dataset):
 
 def given_over(parser, layers, typed, started):
     """The line of the typed flags that override a row's or the resumed run's value (None without any)."""
-    over = [f"{flag_of(parser, k)} {as_typed(v)} (not {as_typed(layers.values[k])}, {layers.sources[k].split(':')[0]})"
+    over = [f"{flag_of(k)} {as_typed(v)} (not {as_typed(layers.values[k])}, {layers.sources[k].split(':')[0]})"
             for k, v in typed.items() if v != layers.values[k] and layers.sources[k].startswith(("recipe", STARTED))]
     return ("given, over the " + ("run's and the " if started else "") + f"recipe's: {'; '.join(over)}"
             if over else None)
@@ -216,7 +211,7 @@ def idle_settings(parser, layers, world_size, notes):
             if source == "flag":
                 continue
             if values[key] is not None and source.startswith(("recipe", "demo")):
-                notes.append(f"{flag_of(parser, key)} {as_typed(values[key])} ({source.split(':')[0]}) has no effect "
+                notes.append(f"{flag_of(key)} {as_typed(values[key])} ({source.split(':')[0]}) has no effect "
                              f"here: {why(values, world_size)}")
             if record:
                 layers.put(f"no effect: {why(values, world_size)}", {key: None})
@@ -229,7 +224,7 @@ def refuse_idle_flags(args, world_size=1):
     for keys, idle, why, fix, _ in NO_EFFECT:
         typed = [key for key in keys if sources.get(key) == "flag"]
         if typed and idle(values, world_size):
-            raise UserError(f"{recipes.flag_of(typed[0])} has no effect here: {why(values, world_size)}: {fix}")
+            raise UserError(f"{flag_of(typed[0])} has no effect here: {why(values, world_size)}: {fix}")
 
 
 def not_the_papers(parser, values, dataset, method):
@@ -238,19 +233,10 @@ def not_the_papers(parser, values, dataset, method):
     if not name:
         return None
     row = recipes.row(name, method) if method in recipes.ROWS[name].methods else recipes.ROWS[name].values
-    off = [f"{flag_of(parser, k)} {as_typed(values[k])} (paper: {as_typed(v)})" for k, (v, _) in row.items()
+    off = [f"{flag_of(k)} {as_typed(values[k])} (paper: {as_typed(v)})" for k, (v, _) in row.items()
            if values.get(k) != v]
     return (f"--dataset {dataset} without its row (--recipe none): not the paper's: {', '.join(off)}" if off
             else None)
-
-
-def as_typed(value):
-    """A value as it is typed (lists blank-separated, on/off as such)."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, (list, tuple)):
-        return " ".join(recipes.typed(v) for v in value) or "(none)"
-    return "(not set)" if value is None else recipes.typed(value)
 
 
 def show(parser, settings):
@@ -259,7 +245,7 @@ def show(parser, settings):
     for action in parser._actions:
         if action.dest in ("help", "print_settings"):
             continue
-        flag = flag_of(parser, action.dest)
+        flag = flag_of(action.dest)
         lines.append(f"{flag + ' ' + as_typed(getattr(settings, action.dest)):42}  {settings.sources[action.dest]}")
     for key in ("loss", "demo"):
         lines.append(f"{f'({key}) ' + as_typed(getattr(settings, key)):42}  {settings.sources[key]}")

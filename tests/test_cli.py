@@ -274,9 +274,8 @@ def test_no_call_passes_more_than_6_positional_arguments():
 
 def test_one_name_for_one_thing():
     """A function or class of sce/ or the scripts is defined in one module only (the scripts' main and get_parser
-    aside; those below are older: flag_of and as_typed of sce/settings.py, sce/recipes.py and sce/resume.py are to
-    become one each)."""
-    known = {"main", "get_parser", "Samples", "run", "save", "_tensors", "flag_of", "as_typed"}
+    aside, and the older names below)."""
+    known = {"main", "get_parser", "Samples", "run", "save", "_tensors"}
     where = {}
     for path in [os.path.join(REPO, s) for s in SCRIPTS] + glob.glob(os.path.join(REPO, "sce", "**", "*.py"),
                                                                         recursive=True):

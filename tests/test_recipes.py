@@ -208,7 +208,7 @@ def test_print_settings_shows_every_value_with_its_layer(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = dict(re.match(r"(\S+ .*?)\s{2,}(.*)$", line).groups() for line in out.stdout.splitlines())
     for key, (value, source) in recipes.row("cifar10").items():
-        line = f"{settings.flag_of(main_pretrain.parser, key)} {settings.as_typed(value)}"
+        line = f"{recipes.flag_of(key)} {recipes.as_typed(value)}"
         assert lines[line] == f"recipe cifar10: {source}", key
     assert lines["--compile off"].startswith("device (this machine: cpu)")
     assert lines["--method sce"] == "default" and lines["--online-aug strong"] == "method sce"
