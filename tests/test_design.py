@@ -6,6 +6,8 @@ import glob
 import os
 import re
 
+import torch
+
 from conftest import REPO
 
 DOC = os.path.join(REPO, "docs", "design.md")
@@ -64,3 +66,20 @@ def test_design_names_what_exists_where_it_says():
     assert placed, "no symbol placed in a file: the patterns above no longer match the doc"
     for name, path in placed:
         assert name in by_file[path], f"docs/design.md places {name} in {path}, which does not define it"
+
+
+def test_design_lists_the_settings_layers_the_sources_name():
+    """docs/design.md's list of the settings' layers is the one sce.settings.resolve applies: a run's every source
+    starts with one of its labels (or derived / no effect), and a row's value, a typed flag and the device's each
+    carry their layer's."""
+    import main_pretrain
+    text = open(DOC).read()
+    section = text[text.index("## The settings"):text.index("## The files")]
+    labels = re.findall(r"^\d\. \*\*([a-z ]+)\*\*:", section, re.M)
+    assert labels == ["default", "method", "recipe", "run", "device", "flag"], labels
+    settings = main_pretrain.parse_args(["--data", "DIR", "--recipe", "cifar10", "--lr", "0.1"], torch.device("cpu"))
+    firsts = {source.split(":")[0].split(" (")[0].split(" ")[0] for source in settings.sources.values()}
+    assert firsts <= set(labels) | {"derived", "no"}, firsts
+    assert settings.sources["lr"] == "flag" and settings.sources["queue_size"].startswith("recipe cifar10")
+    assert settings.sources["tau"].startswith("recipe") and settings.sources["online_aug"].startswith("method")
+    assert settings.sources["compile"].startswith("device")
