@@ -286,7 +286,7 @@ def test_bad_files(data, tmp_path):
                "--optimizer sgd")
     # the optimizer's saved state would silently keep the old weight decay; the objective may not change mid-run
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd", "1e-3"],
-               "--weight-decay 0.0001, not 0.001")
+               "--weight-decay 1e-4, not 0.001")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--method", "moco"], "--method sce")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--tau-m", "0.05"], "--tau-m 0.07")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--mask-positive"],
