@@ -81,6 +81,50 @@ def test_a_stop_during_a_jpeg_copy_stops_proxies_untrained_and_the_copy_finishes
                                                                      for f in files]
 
 
+# proxies.py run with sys.executable a wrapper (reproduce.sh's PYTHON): the wrapper of the data check sends a stop
+# signal, to the process group (Ctrl-C, SLURM) or to proxies.py alone (kill PID), and writes its PID and reproduce.sh's
+STOP_AT_CHECK = """#!/bin/bash
+[ "$2" = check ] && exec {python} -c "import os, signal, sys
+open('{pids}', 'w').write(f'{{os.getpid()}} {{os.getppid()}}')
+if '{name}'.startswith('parent:'):
+    os.kill(int(os.environ['PROXIES_PID']), signal.{signal})
+else:
+    os.killpg(0, signal.{signal})
+sys.argv = sys.argv[1:]
+exec(open(sys.argv[0]).read(), dict(__name__='__main__', __file__=sys.argv[0]))" "$@"
+exec {python} "$@"
+"""
+AS_PROXIES = ("import os, runpy, sys; os.environ['PROXIES_PID'] = str(os.getpid()); sys.executable = sys.argv[1]; "
+              "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("point, name", [("lock", "SIGUSR1"), ("check", "SIGINT"), ("check", "parent:SIGTERM")])
+def test_proxies_stopped_before_a_variant_runs_exits_75_in_one_line(tmp_path, point, name):
+    """A stop as proxies.py takes OUT's lock, or during reproduce.sh's data check it runs for the row's commands
+    (DRY_RUN): one line and 75 (issue 61: 143, 138 or 130 without a word, a traceback after Ctrl-C), reproduce.sh and
+    its check ended with it; after the check, the same command then goes on as an uninterrupted one."""
+    data = write_imagefolder(tmp_path / "data", num_classes=2, per_class=2, size=16)
+    script = os.path.join(REPO, "benchmarks", "fidelity", "proxies.py")
+    args = ["--data", data, "--out", tmp_path / "out", "--variants", "default", "--dry-run"]
+    signame = name.removeprefix("parent:")
+    if point == "lock":
+        proc = at_call("fcntl", "flock", "", signame, script, *args)
+    else:
+        python, pids = tmp_path / "python", tmp_path / "pids"
+        python.write_text(STOP_AT_CHECK.format(python=sys.executable, pids=pids, name=name, signal=signame))
+        os.chmod(python, 0o755)
+        proc = subprocess.run([sys.executable, "-c", AS_PROXIES, python, script, *map(str, args)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120, start_new_session=True)
+        assert ended([int(pid) for pid in pids.read_text().split()])  # the check and reproduce.sh
+    assert (proc.returncode, proc.stderr) == (75, ""), (proc.stdout, proc.stderr)
+    assert proc.stdout.splitlines()[-1] == f"=> stopped by {signame} during start-up, before any training: nothing " \
+                                           "to save; run the same command again to start (exiting with code 75)"
+    if point == "check":  # cut short there
+        again = subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode == 0 and again.stdout.startswith("=== default: ") and not again.stderr, again
+
+
 def damaged(out):
     os.makedirs(out)
     (out / "proxies.json").write_text('{"data": "/x", "epo')

@@ -14,33 +14,39 @@ against the default (or MoCo v2's against MoCo v2's): the kNN top-1 after the la
   finished variant is read back, a stopped one resumes (--resume auto), the others start.
 - --time-limit: counted from this script's start; a variant is not started when the median of the finished ones'
   wall times would not fit in what is left, and the running one is asked to save and stop (SIGTERM) at the
-  limit. Exit 75 when variants are left (run the same command again), 1 when one failed, else 0.
+  limit. Exit 75 when variants are left (run the same command again), 1 when one failed, else 0. A stop (SIGTERM,
+  SIGUSR1, Ctrl-C) before the first variant starts (the imports, OUT's lock, reproduce.sh's data check) exits 75 with
+  one line, reproduce.sh with it.
 - jpeg-qN (any N): the data (train and val) re-encoded once more at quality N (benchmarks/fidelity/reencode.py) into
   OUT/data-qN, once; an ImageFolder's only (official files are refused before anything runs).
 - --smoke: reproduce.sh's SMOKE setting (a small ImageFolder written from --data, 16 px crops, a tiny head, on
   CPU), 1 epoch by default: checks the script, not the numbers.
 Prints a JSON line a variant (as each ends, or read back), then a table, also in OUT/results.md and results.json.
 """
-import argparse
-import fcntl
-import json
 import os
-import re
-import shlex
-import signal
-import statistics
-import subprocess
 import sys
-import time
 
 BENCH = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
 sys.path.insert(0, REPO)
+import sce  # noqa: E402  (no torch) first: a stop during the imports below is one line and exit 75
+sce.stop_while_importing(__name__ == "__main__")
+
+import argparse  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
 from reencode import Stopped, reencode  # noqa: E402
 from reproduce_tools import stage_split  # noqa: E402
-from sce import PREEMPTED_EXIT_CODE, UserError, write_file  # noqa: E402  (no torch)
+from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS, UserError, stopped_during_startup, write_file  # noqa: E402
 
 # name: (method, flags beyond the row's, the variant it is compared with, what it measures)
 VARIANTS = {
@@ -82,12 +88,18 @@ def row_commands(data, out, smoke):
     folder they read."""
     env = dict(os.environ, DRY_RUN="1", METHODS="sce moco", PYTHON=sys.executable, SMOKE="1" if smoke else "0")
     script = os.path.join(REPO, "benchmarks", "reproduction", "reproduce.sh")
-    said = subprocess.run(["bash", script, "cifar10", data, os.path.join(out, "row")],
-                          capture_output=True, text=True, env=env)
+    said = subprocess.Popen(["bash", script, "cifar10", data, os.path.join(out, "row")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = said.communicate()
+    except BaseException:  # a stop (Stopped): reproduce.sh ends its data check on SIGTERM and exits 75
+        said.terminate()
+        said.communicate()
+        raise
     if said.returncode:
-        raise UserError(said.stderr.strip().splitlines()[-1].removeprefix("error: ") if said.stderr.strip()
+        raise UserError(stderr.strip().splitlines()[-1].removeprefix("error: ") if stderr.strip()
                         else f"reproduce.sh exited {said.returncode}")
-    commands = {m: shlex.split(cmd) for m, cmd in re.findall(r"^=== (\w+) pretrain: (.*)$", said.stdout, re.M)}
+    commands = {m: shlex.split(cmd) for m, cmd in re.findall(r"^=== (\w+) pretrain: (.*)$", stdout, re.M)}
     argv = commands["sce"]
     return commands, argv[argv.index("--data") + 1]
 
@@ -148,7 +160,7 @@ class Runner:
 
     def __init__(self, limit, start):
         self.limit, self.start, self.child, self.stopping = limit, start, None, False
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for s in STOP_SIGNALS:
             signal.signal(s, self.stop)
 
     def stop(self, *_):
@@ -310,8 +322,21 @@ def main(argv=None):
     sys.exit(1 if failed else PREEMPTED_EXIT_CODE if left else 0)
 
 
+def stop_starting(signum, frame):
+    """A stop signal before the Runner takes the signals over (the lock, reproduce.sh's data check, proxies.json):
+    Stopped where main() is, which ends reproduce.sh on its way out; later ones are ignored, so that runs once."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
 if __name__ == "__main__":
+    for s in STOP_SIGNALS:
+        signal.signal(s, stop_starting)
     try:
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
+    except Stopped as e:  # nothing trained yet: the same command starts it
+        print(stopped_during_startup(str(e)), flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
