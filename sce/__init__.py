@@ -1,7 +1,10 @@
 """Similarity Contrastive Estimation (SCE) and its baselines MoCo v2 and ReSSL."""
 import glob
+import json
+import math
 import os
 import signal
+import stat
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by a signal (after saving); run the same command to continue
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SLURM's and torchrun's, and Ctrl-C
@@ -70,6 +73,47 @@ def write_file(path, text):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def read_text(path):
+    """The text of a file a run wrote (log.txt, timing.txt), or one line why not: a FIFO, a device or a folder is
+    refused, never waited on (opened without blocking), and so is a file that is not UTF-8."""
+    try:
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UserError(f"cannot read {path}: not a regular file (a FIFO, a device, a socket)")
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"cannot read {path}: line {line} is not UTF-8 text") from None
+
+
+def json_lines(path, what):
+    """(line number, JSON value) of each non-blank line of `path`; a line that is not JSON (a number of more digits
+    than Python reads, nesting past its recursion limit) is one line naming it and `what` it should be."""
+    rows = []
+    for number, line in enumerate(read_text(path).splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((number, json.loads(line)))
+            except (ValueError, RecursionError):
+                raise UserError(f"line {number} of {path} is not {what}") from None
+    return rows
+
+
+def finite(value):
+    """`value` as a float where it is a finite number (not a bool, nor an integer past a float's range), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # 400 digits
+        return None
+    return value if math.isfinite(value) else None
 
 
 def alive(pid, since=None):

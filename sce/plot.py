@@ -11,13 +11,11 @@ here: the figures take a second. A figure never replaces a file it reads, nor a 
 carry MARK); a crafted or damaged file is one line, never a traceback.
 """
 import argparse
-import json
-import math
 import os
 import stat
 import sys
 
-from sce import UserError, temporary, timing
+from sce import UserError, finite, json_lines, temporary, timing
 
 TERMS = ("infonce", "ressl", "ceil")  # eq. 10's terms, logged by all three methods
 ACCURACIES = {"knn_top1": "kNN top-1", "online_top1": "online linear top-1 (val)",
@@ -28,7 +26,6 @@ SIZE, DPI = (10, 6), 100  # 1000 x 600 px: small enough to commit
 MARK = "sce.plot"  # its PNGs' Software text (no version: same runs, same bytes): a figure it may write again
 RUN_FILES = ("log.txt", "timing.txt", "args.json", "checkpoint_last.pth")  # what makes a folder a run's
 LOG_LINE = "an epoch's JSON line (main_pretrain.py's log.txt)"
-TIMING_LINE = "an invocation's JSON line (sce.timing)"
 
 
 class NoMatplotlib(UserError):
@@ -36,36 +33,6 @@ class NoMatplotlib(UserError):
 
 
 # ---------------------------------------------------------------- reading the runs (no matplotlib)
-
-
-def read_text(path):
-    """The text of a file sce.plot reads, or one line why not: a FIFO, a device or a folder is refused, never waited
-    on (opened without blocking), and so is a file that is not UTF-8."""
-    try:
-        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise UserError(f"cannot read {path}: not a regular file (a FIFO, a device, a socket)")
-            data = f.read()
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        return data.decode()
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(f"cannot read {path}: line {line} is not UTF-8 text") from None
-
-
-def json_lines(path, what):
-    """(line number, JSON value) of each non-blank line of `path`; a line that is not JSON (a number of more digits
-    than Python reads, nesting past its recursion limit) is one line naming it and `what` it should be."""
-    rows = []
-    for number, line in enumerate(read_text(path).splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append((number, json.loads(line)))
-            except (ValueError, RecursionError):
-                raise UserError(f"line {number} of {path} is not {what}") from None
-    return rows
 
 
 def read_log(run_dir):
@@ -83,17 +50,6 @@ def read_log(run_dir):
     if not epochs:
         raise UserError(f"{path} is empty: sce.plot needs at least one finished epoch's line")
     return [epochs[e] for e in sorted(epochs)]
-
-
-def finite(value):
-    """`value` as a float where it is a finite number (not a bool, nor an integer past a float's range), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:  # 400 digits
-        return None
-    return value if math.isfinite(value) else None
 
 
 def series(rows, key):
@@ -128,22 +84,11 @@ def timing_folder(path):
 
 def time_split(folder):
     """{part: seconds} of a run's invocations, summed (FOLDER/timing.txt: a line an invocation, sce.timing)."""
-    path = os.path.join(folder, "timing.txt")
-    rows = json_lines(path, TIMING_LINE) if os.path.lexists(path) else []
+    rows = timing.lines(folder)
     if not rows:
         raise UserError(f"{folder} has no timing.txt line: --time-split needs the output folder of a "
                         "main_pretrain.py or main_lincls.py run, which writes one at each epoch's end")
-    split = dict.fromkeys(timing.PARTS, 0.0)
-    for number, row in rows:
-        if not isinstance(row, dict):
-            raise UserError(f"line {number} of {path} is not {TIMING_LINE}")
-        for part in timing.PARTS:
-            seconds = finite(row.get(f"{part}_s", 0.0))
-            if seconds is None or seconds < 0:
-                raise UserError(f"line {number} of {path} is not {TIMING_LINE}: its {part}_s is not a number of "
-                                "seconds")
-            split[part] += seconds
-    return split
+    return {part: sum(row.get(f"{part}_s", 0.0) for row in rows) for part in timing.PARTS}
 
 
 # ---------------------------------------------------------------- drawing

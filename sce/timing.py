@@ -4,15 +4,17 @@ training loop took besides the other parts. Each part but those two is kept by w
 run's sce.compiling.Log, the epoch ends by the checkpoint Writer, the kNN by its Monitor, the probe's evaluation
 by its validation, each through a Stopwatch the Split hands it. Each run writes its split to OUTPUT_DIR/timing.txt
 (one JSON line an invocation) at each epoch's end, replacing its own line (a kill leaves the split up to its last
-epoch), and at its end, where it prints it too."""
+epoch), and at its end, where it prints it too. A timing.txt that is not such lines (damaged, crafted) is set aside
+as timing.txt.damaged, in one line, and the split starts afresh: a time split never fails a run."""
 import json
 import os
 import time
 
-from sce import write_file
+from sce import UserError, finite, json_lines, write_file
 
 PARTS = ["startup", "compiling", "steps", "epoch_ends", "knn", "evaluation", "exit"]
 OWNED = ["epoch_ends", "knn", "evaluation"]  # the parts their owners time (Split.stopwatch)
+LINE = "an invocation's JSON line (sce.timing)"
 _IMPORTED = time.time()
 
 
@@ -20,13 +22,30 @@ STARTED = None  # when this process started, once a script's entry point (sce.en
 
 
 def lines(output_dir, but=None):
-    """The lines of OUTPUT_DIR/timing.txt, one an invocation, as dicts, but the line `but` (the file is written whole:
-    a kill leaves no line cut short)."""
-    return [json.loads(line) for line in _text_lines(os.path.join(output_dir, "timing.txt")) if line != but]
+    """The lines of OUTPUT_DIR/timing.txt, one an invocation, as dicts, but the line `but` (this invocation's, as it
+    wrote it); none where there is no file. A line that is not an invocation's (a damaged or crafted file: not JSON, a
+    part's seconds not a finite number) is a UserError naming it."""
+    path = os.path.join(output_dir, "timing.txt")
+    rows = json_lines(path, LINE) if os.path.lexists(path) else []
+    for number, row in rows:
+        if not isinstance(row, dict):
+            raise UserError(f"line {number} of {path} is not {LINE}")
+        for key in [f"{part}_s" for part in ["wall", *PARTS]]:
+            seconds = finite(row.get(key, 0.0))
+            if seconds is None or seconds < 0:
+                raise UserError(f"line {number} of {path} is not {LINE}: its {key} is not a number of seconds")
+    mine = json.loads(but) if but else None
+    return [row for _, row in rows if row != mine]
 
 
-def _text_lines(path):
-    return open(path).read().splitlines() if os.path.isfile(path) else []
+def set_aside(path):
+    """Rename `path` to a free name beside it, PATH.damaged (then .damaged2, ...); that name."""
+    for n in range(1, 1000):
+        aside = f"{path}.damaged{n if n > 1 else ''}"
+        if not os.path.lexists(aside):
+            os.rename(path, aside)
+            return aside
+    raise OSError(f"no free name for {path}.damaged")
 
 
 def process_start():
@@ -127,7 +146,7 @@ class Split:
                     startup_parts={k: round(v, 3) for k, v in self.startup_parts().items()})
         path, text = os.path.join(output_dir, "timing.txt"), json.dumps(line)
         try:
-            write_file(path, "".join(f"{row}\n" for row in _text_lines(path) if row != self.written) + text + "\n")
+            write_file(path, "".join(f"{json.dumps(row)}\n" for row in self.earlier(output_dir)) + text + "\n")
             self.written = text
         except OSError as e:
             print(f"=> could not write {path} ({e.strerror}): this invocation's time split is not kept", flush=True)
@@ -135,7 +154,22 @@ class Split:
 
     def earlier_wall(self, output_dir):
         """The wall time of the stage's earlier invocations, as OUTPUT_DIR/timing.txt has them."""
-        return sum(row.get("wall_s", 0.0) for row in lines(output_dir, but=self.written))
+        return sum(row.get("wall_s", 0.0) for row in self.earlier(output_dir))
+
+    def earlier(self, output_dir):
+        """The lines of the stage's earlier invocations (lines). A timing.txt that cannot be read as such is said in
+        one line, kept aside (set_aside) and the split starts afresh: a time split never stops a run."""
+        try:
+            return lines(output_dir, but=self.written)
+        except UserError as e:
+            path = os.path.join(output_dir, "timing.txt")
+            try:
+                aside = f"kept as {set_aside(path)}"
+            except OSError as why:
+                aside = f"not set aside ({getattr(why, 'strerror', None) or why})"
+            print(f"=> {e}: {aside}; the time split starts afresh with this invocation", flush=True)
+            self.written = None
+            return []
 
     def write(self, output_dir, **fields):
         """Print the split and write it to OUTPUT_DIR/timing.txt (save); returns the line's dict."""

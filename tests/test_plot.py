@@ -11,7 +11,11 @@ from PIL import Image
 
 from conftest import REPO, pretrain, script_in_process, write_imagefolder
 from sce import UserError, plot
-from sce.timing import PARTS
+from sce.compiling import Log
+from sce.timing import PARTS, Split
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "reproduction"))
+import reproduce_tools  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +205,32 @@ def test_a_damaged_or_crafted_file_is_one_line(tmp_path, capsys, log, timing, sa
     run = a_run(tmp_path, log=log or '{"epoch": 1, "loss": 2.0}\n', timing=timing)
     code, err = errors(capsys, *(["--time-split"] if timing else []), run, "-o", tmp_path / "fig.png")
     assert code == 1 and said.format(log=run / "log.txt", timing=run / "timing.txt") in err
+
+
+@pytest.mark.parametrize("timing, said", BAD_TIMINGS, ids=[f"timing{i}" for i in range(len(BAD_TIMINGS))])
+def test_a_damaged_timing_txt_is_one_line_to_the_run_and_the_reproduction(tmp_path, capsys, timing, said):
+    """The run's own split (sce.timing.Split: the estimate, each epoch's line) and the reproduction's table
+    (reproduce_tools.stage_split) read timing.txt as sce.plot does: a damaged one is one line each (issue 61: a
+    traceback, the run failing once its epoch was trained); the run keeps it aside, byte for byte (a second one
+    beside the first), and starts its split afresh; the table goes on without that stage's split."""
+    content = timing.encode() if isinstance(timing, str) else timing
+    said = said.format(timing=tmp_path / "timing.txt")
+    (tmp_path / "timing.txt").write_bytes(content)
+    assert reproduce_tools.stage_split(str(tmp_path)) is None
+    out = capsys.readouterr().out
+    assert out.startswith(f"=> no time split of {tmp_path}: ") and said in out and out.count("\n") == 1
+    for aside in ("timing.txt.damaged", "timing.txt.damaged2"):
+        split = Split(Log())
+        assert split.earlier_wall(str(tmp_path)) == 0.0  # the estimate, after an invocation's first epoch
+        line = split.save(str(tmp_path), epochs=[0, 1])
+        out = capsys.readouterr().out
+        assert out == f"=> {out[3:].split(': kept as')[0]}: kept as {tmp_path / aside}; the time split starts " \
+                      "afresh with this invocation\n" and said in out
+        assert (tmp_path / aside).read_bytes() == content
+        assert [json.loads(row) for row in open(tmp_path / "timing.txt")] == [line]
+        split.save(str(tmp_path), epochs=[0, 2])  # its own line replaced, silently
+        assert len(open(tmp_path / "timing.txt").readlines()) == 1 and not capsys.readouterr().out
+        (tmp_path / "timing.txt").write_bytes(content)
 
 
 @pytest.mark.parametrize("name", ["log.txt", "timing.txt"])

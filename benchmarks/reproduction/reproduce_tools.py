@@ -282,11 +282,16 @@ PARTS = timing.PARTS
 
 def stage_split(folder):
     """{part: seconds} of a stage's invocations (FOLDER/timing.txt, sce.timing; a killed one's up to its last
-    epoch), summed, or None."""
-    if not os.path.isfile(os.path.join(folder, "timing.txt")):
+    epoch), summed, or None: none written, or a damaged file (said in one line; the results stand without it)."""
+    try:
+        rows = timing.lines(folder)
+    except UserError as e:
+        print(f"=> no time split of {folder}: {e}", flush=True)
+        return None
+    if not rows:
         return None
     total = dict.fromkeys(PARTS + ["wall"], 0.0)
-    for row in timing.lines(folder):
+    for row in rows:
         for part in total:
             total[part] += row.get(f"{part}_s", 0.0)
     return total
