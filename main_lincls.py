@@ -105,7 +105,7 @@ def main(argv=None):
     args.lr = args.lr if args.lr is not None else (0.1 * args.batch_size / 256 if cosine else 30.0)
     cli.check_seed(args.seed)
     args.workers = cli.cap_processes(args.workers)
-    data.data_folder(args.data)  # before the output folder is bound to it
+    data.data_folder(args.data, dataset=args.dataset)  # before the output folder is bound to it
     if args.dataset == "voc07" and args.classifier != "logreg":
         raise UserError("--dataset voc07 is multi-label: use --classifier logreg (or main_lowshot.py)")
     last = os.path.join(args.output_dir, "checkpoint_last.pth")

@@ -192,9 +192,9 @@ def main(argv=None):
             print(settings.show(parser, args), flush=True)
         return
     bn_splits = check_args(args, world_size, device)
-    data.data_folder(args.data)
+    data.data_folder(args.data, dataset=args.dataset)  # official files checked before the output folder is made
     if args.knn_data:
-        data.data_folder(args.knn_data, "--knn-data")
+        data.data_folder(args.knn_data, "--knn-data", args.dataset)
     if world_size > 1:
         check_ranks_agree(args)
     lock = None

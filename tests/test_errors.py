@@ -521,6 +521,23 @@ def test_cifar_labels_outside_its_classes_are_one_line(pretrained, tmp_path, lab
              "CIFAR10 again")
 
 
+def test_official_files_refused_before_the_output_folder_is_made(pretrained, tmp_path):
+    """A crafted CIFAR batch (its labels an int) as --data or --knn-data: one line, and no output folder (issue 61:
+    main_pretrain.py left one holding its lock, main_lincls.py one bound to the data by its evaluated.json)."""
+    good, bad = write_cifar(tmp_path / "good", per_batch=2), write_cifar(tmp_path / "bad", per_batch=2)
+    (bad / "data_batch_2").write_bytes(pickle.dumps({"labels": 3, "data": np.zeros((1, 3072), np.uint8)}, protocol=2))
+    line = (f"error: {bad / 'data_batch_2'} holds labels that are an int, not a list or a 1-d integer array: download "
+            "CIFAR10 again")
+    out = str(tmp_path / "out")
+    one_line(main_pretrain.main, ["--data", str(tmp_path / "bad"), "--dataset", "cifar10", "--output-dir", out] + TINY,
+             line)
+    one_line(main_pretrain.main, ["--data", str(tmp_path / "good"), "--knn-data", str(tmp_path / "bad"), "--dataset",
+                                  "cifar10", "--output-dir", out] + TINY, line)
+    one_line(main_lincls.main, ["--data", str(tmp_path / "bad"), "--dataset", "cifar10", "--pretrained", pretrained,
+                                "--knn", "--output-dir", out], line)
+    assert not os.path.exists(out) and good.is_dir()
+
+
 def test_sizes_that_cannot_fit_are_one_line(pretrained, data, tmp_path, capsys):
     """A batch, crop or queue whose tensors alone exceed all of the memory is refused at start, naming the flag and
     the figure; main_lincls.py's --workers is capped to the cores first, with its line."""
