@@ -290,9 +290,9 @@ def test_bad_files(data, tmp_path):
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--method", "moco"], "--method sce")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--tau-m", "0.05"], "--tau-m 0.07")
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--mask-positive"],
-               "--mask-positive \\(off\\), not \\(on\\)")  # a setting of its method's record
+               "--mask-positive off, not on")  # a setting of its method's record
     user_error(["--data", data, "--output-dir", str(tmp_path / "r18")] + base + ["--wd-exclude-bias-norm"],
-               "--wd-exclude-bias-norm \\(off\\), not \\(on\\)")
+               "--wd-exclude-bias-norm off, not on")
     mid = load(tmp_path / "r18" / "checkpoint_last.pth")
     mid["step_in_epoch"] = 1  # as a preempted run leaves it
     torch.save(mid, tmp_path / "mid.pth")
