@@ -240,7 +240,8 @@ def not_the_papers(parser, values, dataset, method):
 
 
 def show(parser, settings):
-    """Every value with the layer it came from, for --print-settings."""
+    """Every value with the layer it came from, for --print-settings, then the run's notes (the lines a run starts
+    with: a dataset's row taken, a flag over a row, values that are not the paper's)."""
     lines = []
     for action in parser._actions:
         if action.dest in ("help", "print_settings"):
@@ -249,4 +250,4 @@ def show(parser, settings):
         lines.append(f"{flag + ' ' + as_typed(getattr(settings, action.dest)):42}  {settings.sources[action.dest]}")
     for key in ("loss", "demo"):
         lines.append(f"{f'({key}) ' + as_typed(getattr(settings, key)):42}  {settings.sources[key]}")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"=> {note}" for note in settings.notes])

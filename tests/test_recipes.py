@@ -201,15 +201,19 @@ def test_a_typed_flag_that_does_nothing_is_refused(argv, message):
 
 def test_print_settings_shows_every_value_with_its_layer(tmp_path):
     """--print-settings: a line per flag, value and layer (the row's sources, this machine's device values marked),
-    then exit with nothing written."""
+    then the run's notes (a typed flag over the row), then exit with nothing written."""
     out = subprocess.run([sys.executable, "main_pretrain.py", "--data", str(tmp_path), "--recipe", "cifar10",
-                          "--output-dir", str(tmp_path / "run"), "--print-settings"],
+                          "--epochs", "3", "--output-dir", str(tmp_path / "run"), "--print-settings"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    lines = dict(re.match(r"(\S+ .*?)\s{2,}(.*)$", line).groups() for line in out.stdout.splitlines())
+    notes = [line for line in out.stdout.splitlines() if line.startswith("=> ")]
+    assert notes == ["=> given, over the recipe's: --epochs 3 (not 200, recipe cifar10)"], notes
+    lines = dict(re.match(r"(\S+ .*?)\s{2,}(.*)$", line).groups() for line in out.stdout.splitlines()
+                 if not line.startswith("=> "))
+    assert lines["--epochs 3"] == "flag"
     for key, (value, source) in recipes.row("cifar10").items():
         line = f"{recipes.flag_of(key)} {recipes.as_typed(value)}"
-        assert lines[line] == f"recipe cifar10: {source}", key
+        assert key == "epochs" or lines[line] == f"recipe cifar10: {source}", key
     assert lines["--compile off"].startswith("device (this machine: cpu)")
     assert lines["--method sce"] == "default" and lines["--online-aug strong"] == "method sce"
     assert not os.path.exists(tmp_path / "run")
