@@ -234,3 +234,23 @@ def test_reproduce_data_check_signalled_as_a_group_exits_75_in_one_line(tmp_path
                            timeout=120, env=dict(ENV, METHODS="sce", DRY_RUN="1")) for out in ("out", "whole")]
     assert runs[0].returncode == runs[1].returncode == 0 and "=== sce pretrain" in runs[0].stdout
     assert runs[0].stdout == runs[1].stdout.replace(str(tmp_path / "whole"), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("log, said", [
+    ('{"epoch": 1, "loss"', r"line 1 of .*log.txt is not an epoch's JSON line"),
+    ('[1, 2]\n', r"line 1 of .*log.txt is not an epoch's JSON line .*: remove .*default to run default again"),
+    ('{"epoch": 1, "knn_top1": Infinity}\n{"loss": 1}\n', r"line 2 of .*log.txt is not an epoch's JSON line"),
+])
+def test_a_variants_damaged_log_is_one_line(tmp_path, log, said):
+    """proxies.py reads each variant's log.txt back: a damaged one is a line naming it, not a traceback."""
+    os.makedirs(tmp_path / "default")
+    (tmp_path / "default" / "log.txt").write_text(log)
+    with pytest.raises(UserError, match=said):
+        proxies.result("default", str(tmp_path), 1)
+
+
+def test_a_variants_log_with_a_non_finite_knn_reads_as_none(tmp_path):
+    os.makedirs(tmp_path / "default")
+    (tmp_path / "default" / "log.txt").write_text('{"epoch": 1, "knn_top1": Infinity, "images_per_s": 10}\n')
+    row = proxies.result("default", str(tmp_path), 1)
+    assert row["epochs_done"] == 1 and row["knn_top1"] is None and row["images_per_s"] == 10

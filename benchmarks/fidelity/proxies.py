@@ -139,16 +139,24 @@ def reencoded(name, root, out, runner):
     return not runner.stopping
 
 
+LOG_LINE = "an epoch's JSON line (main_pretrain.py's log.txt)"
+
+
 def result(name, out, epochs):
     """A variant's row from its folder: kNN top-1 of its last epoch (None until it is finished), wall time."""
     folder, row = os.path.join(out, name), dict(variant=name, knn_top1=None, epochs_done=0)
     log = os.path.join(folder, "log.txt")
-    lines = [json.loads(line) for line in open(log) if line.strip()] if os.path.isfile(log) else []
+    rows = sce.json_lines(log, LOG_LINE) if os.path.lexists(log) else []  # one line for what is not JSON
+    for number, line in rows:
+        if not isinstance(line, dict) or isinstance(line.get("epoch"), bool) or not isinstance(line.get("epoch"), int):
+            raise UserError(f"line {number} of {log} is not {LOG_LINE}: remove {folder} to run {name} again")
+    lines = [line for _, line in rows]
     if lines:
         row.update(epochs_done=lines[-1]["epoch"], images_per_s=round(statistics.median(
-            line.get("images_per_s", 0) for line in lines)))
+            sce.finite(line.get("images_per_s")) or 0 for line in lines)))
         if lines[-1]["epoch"] == epochs:
-            row["knn_top1"] = round(lines[-1]["knn_top1"], 2) if "knn_top1" in lines[-1] else None
+            knn = sce.finite(lines[-1].get("knn_top1"))
+            row["knn_top1"] = None if knn is None else round(knn, 2)
     split = stage_split(folder)
     if split:
         row.update({f"{k}_s": round(split[k], 1) for k in ("wall", "compiling", "steps")})
