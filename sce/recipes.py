@@ -87,7 +87,8 @@ def imagenet100(about, methods, sweep=(), **values):
 
 def sota(epochs, lr, wd, ema, **values):
     """A row of the state of the art on ImageNet (Sec. 4.3, Tables 7 and 8): LARS, batch 4096, symmetric."""
-    return Recipe(f"SCE on ImageNet, {epochs} epochs, LARS, batch 4096 (Sec. 4.3, Table 7)", {
+    table = "Table 8, multi-crop" if "local_crop_sizes" in values else "Table 7"
+    return Recipe(f"SCE on ImageNet, {epochs} epochs, LARS, batch 4096 (Sec. 4.3, {table})", {
         "arch": ("resnet50", SOTA), "batch_size": (4096, SOTA), "optimizer": ("lars", SOTA),
         "warmup_epochs": (10, SOTA), "symmetric": (True, SOTA + ": the loss is symmetrized"),
         "online_aug": ("strong-alpha", SOTA), "target_aug": ("strong-beta", SOTA), "queue_size": (65536, SOTA),
