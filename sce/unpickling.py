@@ -20,15 +20,53 @@ class Refused(pickle.UnpicklingError):
 
 
 def scan(f, limit=None):
-    """Every op of the pickle in `f` read, none run: Refused past `limit` (MAX_OBJECTS) ops or at a memo index beyond
-    it (the C unpickler would size its memo to it); then `f` is rewound. A cut or damaged pickle raises ValueError."""
+    """Every op of the pickle in `f` read, none run: Refused past `limit` (MAX_OBJECTS) ops, at a memo index beyond
+    it (the C unpickler would size its memo to it), or where its tuples, their shared references expanded, would hold
+    more than `limit` items (what hashing a dict's key walks: 60 tuples of two references to the one before, 2**60);
+    then `f` is rewound. A cut or damaged pickle raises ValueError."""
     start, limit = f.tell(), limit or MAX_OBJECTS
+    stack, memo, expanded = [], {}, 0
     for count, (op, arg, _) in enumerate(pickletools.genops(f), 1):
         if count > limit:
             raise Refused(f"it would build more than {limit:,} objects (nothing was built)")
         if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) > limit:
             raise Refused(f"its memo index {arg} is beyond the {limit:,} objects it may build (nothing was built)")
+        expanded += _expand(op, arg, stack, memo)
+        if expanded > limit:
+            raise Refused(f"its tuples, their shared references expanded, would hold more than {limit:,} items "
+                          "(nothing was built)")
     f.seek(start)
+
+
+_MARK = object()
+
+
+def _expand(op, arg, stack, memo):
+    """`op` played on `stack` of sizes (each object's items, its shared references expanded: a tuple's theirs
+    summed, any other object 1; the memo's alike): the size it fetched from the memo (a shared reference), else 0.
+    A tuple's size is at most the ops plus these, so their sum bounds what hashing or comparing tuples walks."""
+    if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+        memo[len(memo) if arg is None else arg] = stack[-1] if stack and stack[-1] is not _MARK else 1
+        return 0
+    if op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):  # DUP: a reference to the object on top
+        stack.append(memo.get(arg, 1) if op.name != "DUP" else stack[-1] if stack and stack[-1] is not _MARK else 1)
+        return stack[-1]
+    if op.name == "MARK":
+        stack.append(_MARK)
+        return 0
+    popped = []
+    if pickletools.stackslice in op.stack_before:  # the objects above the last mark, then the mark
+        while stack and stack[-1] is not _MARK:
+            popped.append(stack.pop())
+        stack[-1:] = []
+        before = op.stack_before.index(pickletools.markobject)
+    else:
+        before = len(op.stack_before)
+    for _ in range(before):
+        popped.append(stack.pop() if stack and stack[-1] is not _MARK else 1)
+    size = 1 + sum(popped) if op.name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "FROZENSET") else 1
+    stack.extend([size] * len(op.stack_after))
+    return 0
 
 
 class Inert:
@@ -90,8 +128,9 @@ INERT_NAMES.add(("copyreg", "_reconstructor"))
 
 def latin1(text, encoding="latin1"):
     """_codecs.encode as a pickle of protocol 2 calls it for bytes, for latin-1 alone."""
-    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
-        raise Refused(f"it would call _codecs.encode(..., {encoding!r})")
+    if not (isinstance(encoding, str) and encoding in ("latin1", "latin-1") and isinstance(text, str)):
+        shown = repr(encoding)[:40] if isinstance(encoding, str) else f"a {type(encoding).__name__}"  # not repr's
+        raise Refused(f"it would call _codecs.encode(..., {shown})")  # expansion of a pickle's shared references
     return text.encode("latin1")
 
 
@@ -122,7 +161,10 @@ class Reader(pickle.Unpickler):
 # ---------------------------------------------------------------- numpy's arrays of plain numbers (CIFAR's batches)
 
 def _plain_key(args, state):
-    """numpy.dtype's arguments and state as a pickle gives them (Python 2's files: 0 and 1 for False and True)."""
+    """numpy.dtype's arguments and state as a pickle gives them (Python 2's files: 0 and 1 for False and True); None
+    unless both are tuples of scalars (repr would expand a pickle's shared references: 2**60 items of 60 lists)."""
+    if not all(type(v) is tuple and all(type(x) in (str, int, bool, type(None)) for x in v) for v in (args, state)):
+        return None
     return repr((tuple(int(a) if type(a) is bool else a for a in args), state))
 
 
@@ -143,10 +185,13 @@ class _DType:
         self.state = state
 
     def real(self):
-        found = PLAIN.get(_plain_key(self.args, self.state))
+        key = _plain_key(self.args, self.state)
+        found = PLAIN.get(key)
         if found is None:
-            raise Refused(f"its arrays would be of the dtype {_plain_key(self.args, self.state)[:80]}, not of plain "
-                            "numbers (nothing was built)")
+            named = self.args and type(self.args[0]) is str
+            shown = key[:80] if key else f"{self.args[0][:20]!r} of a state with fields or objects" if named else \
+                "of forged arguments"
+            raise Refused(f"its arrays would be of the dtype {shown}, not of plain numbers (nothing was built)")
         return found
 
 

@@ -174,9 +174,8 @@ def test_a_forged_dtype_in_any_protocol_is_refused_before_an_array_is_built(tmp_
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(lines) == 12 and not proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
     for line, name in zip(lines, [f"{r}{p}" for p in range(6) for r in ("reconstruct", "frombuffer")]):
-        assert line.startswith(f"{tmp_path / name} is no CIFAR batch: its arrays would be of the dtype (('V8', 0, 1), "
-                               "(3, '|', None, ('f',), {'f': (<sce.unpickling._DType object at"), line
-        assert line.endswith("not of plain numbers (nothing was built)"), line
+        assert line == (f"{tmp_path / name} is no CIFAR batch: its arrays would be of the dtype 'V8' of a state with "
+                        "fields or objects, not of plain numbers (nothing was built)"), line
 
 
 def test_stl10_binaries(tmp_path):
