@@ -250,6 +250,8 @@ def _read_zip(path, lazy):
     try:
         obj, placeholders = torchzip.Archive(path).load()
         found = foreign.recognise(obj, path)
+        if found is not None and not lazy:
+            found["trunks"] = {k: v and torchzip.tensors(v) for k, v in found["trunks"].items()}
     except unpickling.Refused as e:
         raise UserError(f"{path} is not read: {e}") from None
     except UserError:
@@ -257,8 +259,6 @@ def _read_zip(path, lazy):
     except Exception:  # noqa: BLE001: a cut or damaged zip or pickle: torch.load says what it finds
         return None
     if found is not None:
-        if not lazy:
-            found["trunks"] = {k: v and torchzip.tensors(v) for k, v in found["trunks"].items()}
         return found
     if not isinstance(obj, dict):
         raise UserError(f"{path} holds a {type(obj).__name__}, expected a checkpoint dict")

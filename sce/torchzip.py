@@ -3,6 +3,7 @@ tensor rebuilds get stand-ins that check their arguments and leave each tensor u
 data read on demand by `tensors`, to the CPU whatever device saved it); other data classes are inert placeholders."""
 import collections
 import io
+import math
 import zipfile
 
 import torch
@@ -22,6 +23,9 @@ class StorageType:
 
     def __init__(self, dtype):
         self.dtype = dtype
+
+    def __setstate__(self, state):  # BUILD on it would retype every storage of every file read after (itemsize 0)
+        raise Refused("it would change how torch's storages are typed (nothing was built)")
 
 
 class Storage:
@@ -54,8 +58,10 @@ def _ints(values):
 def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
     """torch._utils._rebuild_tensor_v2's stand-in: a Stored, its arguments checked (a view inside its storage)."""
     if not (isinstance(storage, Storage) and type(offset) is int and offset >= 0 and _ints(size) and _ints(stride)
-            and len(size) == len(stride)):
+            and len(size) == len(stride) <= 64):
         raise Refused("its tensors are not rebuilt as torch's are (nothing was built)")
+    if math.prod(size) > storage.numel:  # a view of stride 0: 2**40 rows of one, expanded by whatever copies it
+        raise Refused(f"a tensor of it has more elements than its storage ({math.prod(size)} of {storage.numel})")
     extent = 0 if 0 in size else offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
     if extent > storage.numel:
         raise Refused(f"a tensor of it reaches past its storage ({extent} of {storage.numel} elements)")
@@ -147,6 +153,8 @@ def tensors(stored):
                 s = v.storage
                 if (path, s.key) not in read:
                     data = bytearray(z.read(f"{archive.prefix}data/{s.key}"))[:s.numel * s.dtype.itemsize]
+                    if len(data) < s.numel * s.dtype.itemsize:  # its zip's directory said more than it holds
+                        raise Refused(f"its storage {s.key} holds {len(data)} bytes, not its {s.numel} elements")
                     read[path, s.key] = torch.frombuffer(data, dtype=s.dtype) if data else torch.empty(0, dtype=s.dtype)
                 out[k] = read[path, s.key].as_strided(v.size, v.stride, v.offset)
     return {k: out.get(k, v) for k, v in stored.items()}
