@@ -4,6 +4,7 @@ and their files listed and checked whole without decoding an image and without t
 ImageFolder's class folders and image files (a folder loop refused), CIFAR's python batches (each batch's images against
 its labels), STL-10's binaries (their sizes), Tiny-ImageNet's val annotations (every listed image present)."""
 import dataclasses
+import io
 import os
 import numpy as np
 
@@ -250,9 +251,10 @@ def read_batch(path, classes=None, meta=False):
     size = os.path.getsize(path)
     if size > MAX_BATCH_BYTES:  # a single op of its pickle could hold all of it in memory
         raise NotABatch(f"{path} is {size / 2 ** 20:.0f} MiB, more than any CIFAR file (CIFAR-100's train: 155 MiB)")
-    with open(path, "rb") as f:
-        unpickling.scan(f)
-        entry = _Batch(f).load()
+    with open(path, "rb") as file:  # in memory: an op's declared length (2**40 bytes) is then no allocation's
+        f = io.BytesIO(file.read())
+    unpickling.scan(f)
+    entry = _Batch(f).load()
     return batch_structure(entry, path, classes, meta)
 
 
