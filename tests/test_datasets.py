@@ -1,6 +1,7 @@
 """The dataset readers (sce.data.files) on small files written in the real formats: CIFAR's python batches, STL-10's
 binaries, Tiny-ImageNet's folders and ImageNet100's class list, images of every mode as RGB (PIL and the tensor
 reader alike), missing and empty data, and a dataset's fingerprint."""
+import codecs
 import os
 import pickle
 import re
@@ -102,6 +103,53 @@ def test_a_pickle_of_more_objects_than_the_bound_is_refused_before_building_them
     with pytest.raises(UserError, match=r"data_batch_1 is no CIFAR batch: it would build more than 50 objects "
                                         r"\(nothing was built\): download CIFAR10 again"):
         build_dataset("cifar10", str(tmp_path / "data"), "train")
+
+
+class PlainDtype:
+    """Unpickled, numpy.dtype('u1') given `state` (numpy's own is a tuple of scalars)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __reduce__(self):
+        return np.dtype, ("u1", False, True), self.state
+
+
+def shared_tuples(levels, memo=True):
+    """A pickle of a dict whose key is a tuple of two references to one tuple, `levels` deep (by the memo or by DUP):
+    hashing it walks 2**levels items."""
+    ops = b")"
+    for k in range(levels):
+        ops += b"q" + bytes([k]) + b"h" + bytes([k]) + b"\x86" if memo else b"2\x86"
+    return b"\x80\x02}" + ops + b"K\x01s."
+
+
+@pytest.mark.parametrize("batch,refused", [
+    (shared_tuples(60), "its tuples, their shared references expanded, would hold more than 4,000,000 items "
+                        "(nothing was built)"),
+    (shared_tuples(60, memo=False), "its tuples, their shared references expanded, would hold more than 4,000,000 "
+                                    "items (nothing was built)"),
+    (pickle.dumps(RunsCode(np._core.numeric._frombuffer, b"\0", PlainDtype(shared_lists(60)), (1,), "C"), 2),
+     "its arrays would be of the dtype 'u1' of a state with fields or objects, not of plain numbers (nothing was "
+     "built)"),
+    (pickle.dumps(RunsCode(codecs.encode, "abc", shared_lists(60)), 2), "it would call _codecs.encode(..., a list)"),
+    (b"\x80\x04\x8e" + (2 ** 40).to_bytes(8, "little") + b"abc", None)])
+def test_a_batch_whose_shared_references_would_expand_is_refused_at_once(tmp_path, batch, refused):
+    """A dict key of 60 tuples each of two references to the one before (2**60 items to hash), 60 such lists as a
+    dtype's state or an encoding (2**60 to repr in the refusal), an op declaring 2**40 bytes (an allocation of it): one
+    line at once, nothing expanded."""
+    import faulthandler
+    import time
+    from sce.layouts import damaged_batch
+    (tmp_path / "data_batch_1").write_bytes(batch)
+    start = time.perf_counter()
+    faulthandler.dump_traceback_later(60, exit=True)  # a hash inside the C unpickler never returns to Python
+    line = damaged_batch(str(tmp_path), ["data_batch_1"])
+    faulthandler.cancel_dump_traceback_later()
+    assert time.perf_counter() - start < 5
+    assert line == (f"{tmp_path / 'data_batch_1'} is no CIFAR batch: {refused}" if refused else
+                    f"{tmp_path / 'data_batch_1'} does not unpickle (ValueError: expected 1099511627776 bytes in a "
+                    "bytes8, but only 3 remain): it is cut short or damaged"), line
 
 
 @pytest.mark.parametrize("call", ["system", "open"])

@@ -6,6 +6,7 @@ import os
 import sys
 import types
 import typing
+import zipfile
 
 import pytest
 import torch
@@ -217,6 +218,50 @@ def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path, r18)
     assert message == (f"error: {tmp_path / 'crafted.ckpt'} is not read: it would call {os.system.__module__}.system "
                        "(a pickle that runs code; nothing was run)"), message
     assert not marker.exists() and not out.exists()
+
+
+def rewritten(path, name_end, data=None, stated=None):
+    """The zip at `path` with its record ending `name_end` given `data`, its directory stating `stated` bytes."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        records = {n: z.read(n) for n in z.namelist()}
+    name = next(n for n in records if n.endswith(name_end))
+    records[name] = data if data is not None else records[name]
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in records.items():
+            z.writestr(n, d)
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"PK\x01\x02")  # the central directory's entries, to `name`'s
+    while raw[entry + 46:entry + 46 + len(name)] != name.encode():
+        entry = raw.index(b"PK\x01\x02", entry + 4)
+    raw[entry + 24:entry + 28] = struct.pack("<I", stated if stated is not None else len(records[name]))
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("crafted,refused", [
+    ("expanded", "a tensor of it has more elements than its storage (28991029248 of 27)"),
+    ("retyped", "it would change how torch's storages are typed (nothing was built)"),
+    ("short", "its storage 0 holds 4 bytes, not its 1728 elements")])
+def test_a_zip_that_outgrows_its_storages_is_refused(tmp_path, r18, crafted, refused):
+    """A stride-0 view of 2**30 copies of conv1's first filter; BUILD on the torch.FloatStorage every file's
+    storages share (its dtype of itemsize 0: every size passes); a record its zip states longer than it is: each a
+    line, nothing read past its storage."""
+    state = {f"trunk.{k}": v for k, v in r18.items()}
+    if crafted == "expanded":
+        state["trunk.conv1.weight"] = state["trunk.conv1.weight"][:1].clone().expand(2 ** 30, 3, 3, 3)
+    path = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": state}, path)
+    if crafted == "retyped":
+        with zipfile.ZipFile(path) as z:
+            pickled = z.read("crafted/data.pkl")
+        retype = b"ctorch\nFloatStorage\n}X\x05\x00\x00\x00dtypeK\x00sb0"  # BUILD, then POP
+        rewritten(path, "/data.pkl", pickled[:2] + retype + pickled[2:])
+    if crafted == "short":
+        rewritten(path, "/data/0", b"\0" * 4, stated=len(r18["conv1.weight"].numpy().tobytes()))
+    with pytest.raises(UserError) as info:
+        load(str(path))
+    assert str(info.value) == f"{path} is not read: {refused}"
 
 
 def test_a_small_input_trunk_of_no_known_size_is_refused_before_any_folder(tmp_path, imports):
