@@ -240,7 +240,23 @@ def load(path, lazy=False):
         read = _read_zip(path, lazy)
         if read is not None:
             return read
+    else:
+        _scan_legacy(path)
     return _torch_load(path)
+
+
+def _scan_legacy(path):
+    """torch's legacy format (pickles one after another: magic number, protocol, system info, the object) scanned
+    before torch.load builds it: a pickle whose shared references expand past sce.unpickling's bound would hang its
+    hashing. A cut or damaged file is left to torch.load to name."""
+    try:
+        with open(path, "rb") as f:
+            for _ in range(4):
+                unpickling.scan(f, rewind=False)
+    except unpickling.Refused as e:
+        raise UserError(f"{path} is not read: {e}") from None
+    except Exception:  # noqa: BLE001: damaged; torch.load says what it finds
+        pass
 
 
 def _read_zip(path, lazy):

@@ -19,11 +19,11 @@ class Refused(pickle.UnpicklingError):
     """A pickle refused before it built or called what it names (code, more objects than the bound)."""
 
 
-def scan(f, limit=None):
+def scan(f, limit=None, rewind=True):
     """Every op of the pickle in `f` read, none run: Refused past `limit` (MAX_OBJECTS) ops, at a memo index beyond
     it (the C unpickler would size its memo to it), or where its tuples, their shared references expanded, would hold
     more than `limit` items (what hashing a dict's key walks: 60 tuples of two references to the one before, 2**60);
-    then `f` is rewound. A cut or damaged pickle raises ValueError."""
+    then `f` is rewound (rewind=False: left after the pickle's STOP). A cut or damaged pickle raises ValueError."""
     start, limit = f.tell(), limit or MAX_OBJECTS
     stack, memo, expanded = [], {}, 0
     for count, (op, arg, _) in enumerate(pickletools.genops(f), 1):
@@ -35,7 +35,8 @@ def scan(f, limit=None):
         if expanded > limit:
             raise Refused(f"its tuples, their shared references expanded, would hold more than {limit:,} items "
                           "(nothing was built)")
-    f.seek(start)
+    if rewind:
+        f.seek(start)
 
 
 _MARK = object()

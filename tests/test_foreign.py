@@ -387,3 +387,23 @@ def test_the_authors_file_through_every_entry_point(tmp_path, capsys, imports):
     assert exit_message("detection/convert-pretrain-to-detectron2.py", small, tmp_path / "s.pkl").startswith(
         f"error: {small} holds a small-input trunk (conv1 3x3")
     assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
+
+
+def test_a_legacy_checkpoint_whose_keys_expand_is_refused_before_torch_load(tmp_path):
+    """torch's legacy format (pickles one after another) goes to torch.load: a dict key of 60 tuples each of two
+    references to the one before (2**60 items to hash) is refused by the scan first, in one line, at once."""
+    import faulthandler
+    import pickle
+    import time
+    bomb = b")"
+    for k in range(60):
+        bomb += b"q" + bytes([k]) + b"h" + bytes([k]) + b"\x86"
+    legacy = pickle.dumps(0x1950A86A20F9469CFC6C, 2) + pickle.dumps(1001, 2) + pickle.dumps({}, 2)
+    (tmp_path / "old.pth").write_bytes(legacy + b"\x80\x02}" + bomb + b"K\x01s.")
+    start = time.perf_counter()
+    faulthandler.dump_traceback_later(60, exit=True)  # a hash inside the C unpickler never returns to Python
+    with pytest.raises(UserError, match=r"old.pth is not read: its tuples, their shared references expanded, would "
+                                        r"hold more than 4,000,000 items"):
+        load(str(tmp_path / "old.pth"))
+    faulthandler.cancel_dump_traceback_later()
+    assert time.perf_counter() - start < 5
