@@ -6,7 +6,6 @@
 Names follow detectron2's ResNet: stem.conv1(.norm), res2..res5 blocks with conv1..conv3(.norm)
 and shortcut(.norm). With matching_heuristics detectron2 matches res5 into the C4 ROI head.
 """
-import argparse
 import os
 import pickle
 import re
@@ -15,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sce import UserError  # noqa: E402
-from trunk import check_output, read_resnet_trunk  # noqa: E402
+from trunk import check_output, converter_parser, read_resnet_trunk  # noqa: E402
 
 
 def detectron2_name(name):
@@ -28,15 +27,9 @@ def detectron2_name(name):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", help="main_pretrain.py or main_lincls.py checkpoint, or a torchvision "
-                        "ResNet state dict")
-    parser.add_argument("output", help="detectron2 weights to write (.pkl)")
-    parser.add_argument("--encoder", default="online", choices=["online", "momentum"],
-                        help="trunk of a main_pretrain.py checkpoint to export (default: online)")
+    parser = converter_parser(__doc__, "detectron2 weights to write (.pkl)")
     parser.add_argument("--depth", default=50, type=int, choices=[50, 101, 152],
                         help="ResNet depth the detectron2 config uses, MODEL.RESNETS.DEPTH (default: 50)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
     args = parser.parse_args()
 
     check_output(args.output, args.force)

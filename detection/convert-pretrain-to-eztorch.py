@@ -10,7 +10,6 @@ The output holds {"state_dict": {"trunk.<torchvision name>": tensor}, "epoch": E
 tensors, numbers and strings (a weights-only load reads it); their config must build the same trunk (name,
 small_input).
 """
-import argparse
 import collections
 import os
 import sys
@@ -19,24 +18,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sce import UserError  # noqa: E402
 from sce.checkpoint import load, read_as, save_atomic, trunk_spec  # noqa: E402
-from trunk import check_output  # noqa: E402
+from trunk import check_output, converter_parser  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", help="main_pretrain.py or main_lincls.py checkpoint, a torchvision ResNet state "
-                        "dict, or another code's checkpoint (docs/published-weights.md)")
-    parser.add_argument("output", help="checkpoint to write in the SCE authors' format (.ckpt)")
-    parser.add_argument("--encoder", default="online", choices=["online", "momentum"],
-                        help="trunk to export (default: online)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    parser = converter_parser(__doc__, "checkpoint to write in the SCE authors' format (.ckpt)")
     args = parser.parse_args()
 
     check_output(args.output, args.force)
     ckpt = load(args.input)
     state, arch, small_input = trunk_spec(ckpt, args.input, encoder=args.encoder)
-    if read_as(ckpt, args.input, args.encoder):
-        print(read_as(ckpt, args.input, args.encoder))
+    said = read_as(ckpt, args.input, args.encoder)
+    if said:
+        print(said)
     out = {"state_dict": collections.OrderedDict((f"trunk.{k}", v.detach().clone()) for k, v in state.items()),
            "hyper_parameters": {"trunk": {"_target_": "eztorch.models.trunks.create_resnet", "name": arch,
                                           "num_classes": 0, "small_input": small_input}}}

@@ -7,7 +7,6 @@ The output is a plain state dict that
 maskrcnn_resnet50_fpn(weights=None, weights_backbone=None).backbone.body loads with strict=True
 (train_torchvision.py --pretrained takes it).
 """
-import argparse
 import os
 import sys
 
@@ -15,17 +14,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sce import UserError  # noqa: E402
 from sce.checkpoint import save_atomic  # noqa: E402
-from trunk import check_output, read_resnet_trunk  # noqa: E402
+from trunk import check_output, converter_parser, read_resnet_trunk  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", help="main_pretrain.py or main_lincls.py checkpoint, or a torchvision "
-                        "ResNet state dict")
-    parser.add_argument("output", help="state dict to write (.pth)")
-    parser.add_argument("--encoder", default="online", choices=["online", "momentum"],
-                        help="trunk of a main_pretrain.py checkpoint to export (default: online)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    parser = converter_parser(__doc__, "state dict to write (.pth)")
     args = parser.parse_args()
 
     check_output(args.output, args.force)

@@ -1,5 +1,6 @@
 """Shared by the detection scripts: read a ResNet trunk from any checkpoint we accept and check it
 is the ImageNet-shaped torchvision ResNet (7x7 stem, bottleneck blocks) a detector expects."""
+import argparse
 import os
 import sys
 
@@ -65,6 +66,21 @@ def read_resnet_trunk(path, encoder="online", depth=50, depth_flag=False):
     for k in expected:
         state.setdefault(k, torch.zeros((), dtype=torch.long))
     return {k: state[k] for k in expected}
+
+
+INPUT_HELP = ("main_pretrain.py or main_lincls.py checkpoint, a torchvision ResNet state dict, or another code's "
+              "checkpoint (docs/published-weights.md)")
+
+
+def converter_parser(doc, output_help):
+    """The flags every converter takes: input, output, --encoder, --force (check_output)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", help=INPUT_HELP)
+    parser.add_argument("output", help=output_help)
+    parser.add_argument("--encoder", default="online", choices=["online", "momentum"],
+                        help="trunk of a pretraining checkpoint to export (default: online)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    return parser
 
 
 def check_output(path, force):

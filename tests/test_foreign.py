@@ -12,10 +12,11 @@ import pytest
 import torch
 import torchvision
 from conftest import exit_message, write_imagefolder
+from test_errors import as_user_runs
 
 import main_lincls
 import main_lowshot
-from sce import UserError, entry
+from sce import UserError
 from sce.checkpoint import check_trunk, load, load_trunk, read_as, trunk_spec
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)  # eztorch/transforms/utils.py
@@ -175,15 +176,6 @@ def test_the_authors_lightning_checkpoint_reads_as_their_trunk(tmp_path, imports
         assert f"=> {path}: the SCE authors' Lightning checkpoint, epoch 199, resnet18 (small input), {encoder} " \
                f"trunk ({prefix})" in capsys.readouterr().out
     assert not CALLS and not [n for n in imports.asked if n.startswith("omegaconf")]
-
-
-def as_user_runs(main, argv):
-    """The script's own entry: what it exits with (None: it ran through; an error: its line)."""
-    try:
-        entry.run(lambda: main(argv))
-    except SystemExit as done:
-        return done.code
-    return None
 
 
 class RunsCode:
