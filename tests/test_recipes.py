@@ -229,3 +229,22 @@ def test_readme_setup_commands_leave_the_interpreter_every_later_command_uses():
         steps = [step.strip() for step in command.split("&&")]
         assert steps[:3] == ["python3 -m venv .venv", ". .venv/bin/activate", "pip install -r requirements.txt"], steps
         assert steps[3].startswith("python "), steps
+
+
+def test_the_readmes_pretraining_commands_run_their_rows():
+    """README.md's main_pretrain.py commands, as a user types them: each passes the checks on its GPUs (torchrun's
+    --nproc_per_node) and takes the row it names; --method moco keeps the row and takes MoCo v2's temperature."""
+    lines = [line.split("#")[0] for line in open(os.path.join(REPO, "README.md")).read().splitlines()
+             if line.startswith("    ") and " main_pretrain.py --data " in line]
+    assert len(lines) >= 4, lines
+    for line in lines:
+        words = shlex.split(line)
+        gpus = int(next((w.split("=")[1] for w in words if w.startswith("--nproc_per_node=")), 1))
+        argv = words[words.index("main_pretrain.py") + 1:]
+        args = main_pretrain.parse_args(argv, None, gpus)  # the device layer left unresolved: no GPU here
+        main_pretrain.check_args(args, gpus, torch.device("cuda") if gpus > 1 else torch.device("cpu"))
+        name = argv[argv.index("--recipe") + 1]
+        method = argv[argv.index("--method") + 1] if "--method" in argv else "sce"
+        for key, (value, _) in recipes.row(name, method).items():
+            assert getattr(args, key) == value, (line, key)
+        assert args.sources["lr"].startswith(f"recipe {name}"), line
