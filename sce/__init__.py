@@ -1,4 +1,5 @@
 """Similarity Contrastive Estimation (SCE) and its baselines MoCo v2 and ReSSL."""
+import ctypes
 import glob
 import json
 import math
@@ -143,3 +144,20 @@ def started(ticks):
     with open("/proc/stat") as f:
         boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent(worker_id=None):
+    """The kernel kills this process (SIGKILL) once its parent is gone, however it went (kill -9, the out-of-memory
+    killer): a loader worker is never left orphaned (torch's own check of the parent, every 5 s between batches,
+    never comes in a busy, stopped or swapping worker). Linux; the parent is the thread that started the worker, the
+    main one. A parent already gone: leave at once."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    if os.getppid() != parent:
+        os._exit(1)

@@ -9,7 +9,6 @@ exits 75 on an error that follows it. Within safe_points (feature extraction, wh
 start or teardown is lost or breaks the iterator) the start-up handler only records; the phase stops between its
 batches."""
 import contextlib
-import ctypes
 import datetime
 import os
 import signal
@@ -18,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS, stopped_during_startup
+from sce import PREEMPTED_EXIT_CODE, STOP_SIGNALS, end_with_parent, stopped_during_startup
 from sce import distributed as du
 
 CHECK_STEPS = 10  # steps between checks for a stop request (fewer with a smaller --print-freq)
@@ -33,22 +32,6 @@ def ignore_stop_signals(worker_id=None):
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def end_with_parent(worker_id=None):
-    """The kernel kills this process (SIGKILL) once its parent is gone, however it went (kill -9, the out-of-memory
-    killer): a loader worker is never left orphaned (torch's own check of the parent, every 5 s between batches,
-    never comes in a busy, stopped or swapping worker). Linux; the parent is the thread that started the worker, the
-    main one. A parent already gone: leave at once."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # no prctl: not Linux
-        return
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 class Interrupted(BaseException):

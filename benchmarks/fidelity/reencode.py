@@ -37,7 +37,6 @@ if __name__ == "__main__":  # first, before the imports of numpy and PIL
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import ctypes  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -51,7 +50,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
-from sce import UserError, write_file  # noqa: E402
+from sce import UserError, end_with_parent, write_file  # noqa: E402
 from sce.layouts import IMAGE_EXTENSIONS, walk  # noqa: E402
 
 # in a copy and its DST.partial, written as the folder is made: a folder without it is not ours
@@ -223,18 +222,11 @@ def copy_one(src, partial, quality, rel):
     return sq, n
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def worker_start():
-    """A copying process ends with its parent however that ends (the kernel's SIGKILL once it is gone, kill -9
-    included; sce.preemption.end_with_parent's way, without its torch), and leaves a stop to it: the stop signals,
-    which a terminal or SLURM sends to every process, are ignored (the parent ends its workers)."""
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):  # no prctl: not Linux
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
+    """A copying process ends with its parent however that ends (sce.end_with_parent: the kernel's SIGKILL once it is
+    gone, kill -9 included), and leaves a stop to it: the stop signals, which a terminal or SLURM sends to every
+    process, are ignored (the parent ends its workers)."""
+    end_with_parent()
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
