@@ -248,3 +248,27 @@ def test_the_readmes_pretraining_commands_run_their_rows():
         for key, (value, _) in recipes.row(name, method).items():
             assert getattr(args, key) == value, (line, key)
         assert args.sources["lr"].startswith(f"recipe {name}"), line
+
+
+def test_the_recipes_command_prints_what_the_scripts_read(capsys):
+    """python -m sce.recipes: the rows listed; a row as main_pretrain.py flags (what reproduce.sh and the GPU scripts
+    run), parsed back to its values; its linear probe's flags, parsed by main_lincls.py; each value with its source;
+    an unknown row in one line."""
+    import main_lincls
+    recipes.main([])
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == list(recipes.ROWS)
+    recipes.main(["cifar10", "--method", "moco", "--flags"])
+    args = main_pretrain.parse_args(["--data", "d", "--recipe", "none", "--dataset", "cifar10",
+                                     *shlex.split(capsys.readouterr().out), "--method", "moco"])
+    for key, (value, _) in recipes.row("cifar10", "moco").items():
+        assert getattr(args, key) == value, key
+    recipes.main(["cifar10", "--linear-flags"])
+    linear = main_lincls.get_parser().parse_args(["--data", "d", "--pretrained", "p",
+                                                  *shlex.split(capsys.readouterr().out)])
+    assert (linear.lr, linear.epochs, linear.milestones, linear.schedule) == (30.0, 100, [60, 80], "step")
+    recipes.main(["cifar10", "--sources"])
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == len(recipes.row("cifar10")) and all(
+        line.endswith(source) for line, (_, source) in zip(said, recipes.row("cifar10").values()))
+    with pytest.raises(UserError):
+        recipes.main(["cifar11", "--flags"])
